@@ -1,0 +1,269 @@
+"""Typed, frozen run configuration read from YAML with dotted command-line overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+  """A config value is unknown, of the wrong type or impossible; the message names the key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int = 256  # tokens in the vocabulary
+  hidden: int = 64  # model width D
+  layers: int = 2  # number of transformer blocks
+  heads: int = 4  # query heads; head_dim = hidden / heads unless head_dim is set
+  kv_heads: int | None = None  # key/value heads for grouped-query attention; None means = heads
+  head_dim: int | None = None  # per-head width; None means hidden / heads
+  ffn: int = 176  # SwiGLU inner width
+  tie_embeddings: bool = False  # LM head reuses the token embedding table
+  qkv_bias: bool = False  # bias on q/k/v projections (Qwen2)
+  rope_theta: float = 10000.0  # RoPE base
+  rope_scaling: Literal["none", "linear", "llama3"] = "none"  # RoPE frequency scaling rule
+  rope_factor: float = 1.0  # scaling factor for linear / llama3
+  rope_low_freq_factor: float = 1.0  # llama3 scaling: low-frequency cut
+  rope_high_freq_factor: float = 4.0  # llama3 scaling: high-frequency cut
+  rope_original_max_len: int = 8192  # llama3 scaling: pre-training context length
+  norm_eps: float = 1e-5  # RMSNorm epsilon
+  init_std: float = 0.02  # std of the normal init of every matrix
+
+  def __post_init__(self):
+    _positive(self, "vocab_size", "hidden", "layers", "heads", "ffn")
+    kv = self.n_kv_heads
+    if kv <= 0 or self.heads % kv:
+      raise ConfigError(f"model.kv_heads: {kv} must divide model.heads ({self.heads})")
+    if self.head_dim is None and self.hidden % self.heads:
+      raise ConfigError(f"model.heads: {self.heads} does not divide model.hidden ({self.hidden}); "
+                        "set model.head_dim")
+    if self.dim_per_head % 2:
+      raise ConfigError(f"model.head_dim: {self.dim_per_head} must be even for RoPE")
+    if self.rope_theta <= 0 or self.rope_factor <= 0 or self.norm_eps <= 0:
+      raise ConfigError("model.rope_theta, model.rope_factor and model.norm_eps must be > 0")
+
+  @property
+  def n_kv_heads(self) -> int:
+    return self.heads if self.kv_heads is None else self.kv_heads
+
+  @property
+  def dim_per_head(self) -> int:
+    return self.hidden // self.heads if self.head_dim is None else self.head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  impl: Literal["fused", "optax"] = "fused"  # fused: in-place numba AdamW; optax: optax.adamw on XLA:CPU
+  lr: float = 3e-4  # peak learning rate
+  min_lr_ratio: float = 0.1  # cosine floor as a fraction of lr
+  warmup_steps: int = 10  # linear warmup from 0 to lr
+  decay_steps: int | None = None  # cosine length incl. warmup; None means train.steps
+  b1: float = 0.9  # AdamW beta1
+  b2: float = 0.95  # AdamW beta2
+  eps: float = 1e-8  # AdamW epsilon
+  weight_decay: float = 0.1  # decoupled weight decay on matrices (not norms, biases)
+  clip_norm: float | None = None  # global-norm clip threshold; None disables clipping
+  clip_mode: Literal["host_buffer", "recompute"] = "host_buffer"  # how exact global clipping gets every norm first
+  threads: int | None = None  # host optimizer threads; None means all cores
+
+  def __post_init__(self):
+    if self.lr < 0 or not 0 <= self.min_lr_ratio <= 1:
+      raise ConfigError("optim.lr must be >= 0 and optim.min_lr_ratio in [0, 1]")
+    if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1):
+      raise ConfigError(f"optim.b1/b2 must be in [0, 1), got {self.b1}, {self.b2}")
+    if self.eps <= 0 or self.weight_decay < 0 or self.warmup_steps < 0:
+      raise ConfigError("optim.eps must be > 0, optim.weight_decay and optim.warmup_steps >= 0")
+    if self.clip_norm is not None and self.clip_norm <= 0:
+      raise ConfigError(f"optim.clip_norm: {self.clip_norm} must be > 0 or null")
+    if self.threads is not None and self.threads <= 0:
+      raise ConfigError(f"optim.threads: {self.threads} must be > 0 or null")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # dtype of weights and activations on device
+  checkpoints: Literal["device", "host"] = "device"  # where each layer's saved input lives between passes
+  micro_batch: int | None = None  # sequences per chunk inside a layer; None means the whole batch
+  loss_chunk: int = 1024  # tokens per LM-head chunk, so full logits never exist
+  attention: Literal["auto", "xla", "cudnn"] = "auto"  # dot_product_attention implementation
+  overlap: bool = True  # False runs every copy and update serially (the ablation)
+  inflight_layers: int = 2  # layers the host may queue ahead of the device (bounds device memory)
+  grad_queue: int = 4  # gradients awaiting the host optimizer before the device waits (bounds host buffers)
+
+  def __post_init__(self):
+    _positive(self, "loss_chunk", "inflight_layers", "grad_queue")
+    if self.micro_batch is not None and self.micro_batch <= 0:
+      raise ConfigError(f"engine.micro_batch: {self.micro_batch} must be > 0 or null")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  source: Literal["synthetic", "tokens"] = "synthetic"  # synthetic: learnable arithmetic sequences
+  path: str | None = None  # flat token file (raw uint16/uint32) when source = tokens
+  dtype: Literal["uint16", "uint32"] = "uint16"  # element type of the token file
+
+  def __post_init__(self):
+    if self.source == "tokens" and not self.path:
+      raise ConfigError("data.path: required when data.source is 'tokens'")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 20  # optimizer steps to run
+  batch: int = 8  # sequences per optimizer step (global batch)
+  seq: int = 64  # tokens per sequence
+  seed: int = 0  # seeds init (key split once in run) and data
+  log_every: int = 1  # steps between progress-bar updates of the loss
+
+  def __post_init__(self):
+    _positive(self, "steps", "batch", "seq", "log_every")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+  engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+  def __post_init__(self):
+    mb = self.engine.micro_batch
+    if mb is not None and self.train.batch % mb:
+      raise ConfigError(f"engine.micro_batch: {mb} does not divide train.batch ({self.train.batch})")
+
+  @property
+  def decay_steps(self) -> int:
+    return self.optim.decay_steps or self.train.steps
+
+
+def _positive(obj, *names):
+  section = _SECTION_OF.get(type(obj).__name__, "")
+  for n in names:
+    if getattr(obj, n) <= 0:
+      raise ConfigError(f"{section}{n}: {getattr(obj, n)} must be > 0")
+
+
+_SECTION_OF = {"ModelConfig": "model.", "OptimConfig": "optim.", "EngineConfig": "engine.",
+               "DataConfig": "data.", "TrainConfig": "train."}
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+  """Checks `value` against the annotation `tp`, converting only int -> float."""
+  origin = typing.get_origin(tp)
+  if origin is Literal:
+    if value not in typing.get_args(tp):
+      raise ConfigError(f"{key}: {value!r} is not one of {list(typing.get_args(tp))}")
+    return value
+  if origin in (typing.Union, types.UnionType):
+    args = typing.get_args(tp)
+    if value is None:
+      if type(None) in args:
+        return None
+      raise ConfigError(f"{key}: null is not allowed")
+    errors = []
+    for a in args:
+      if a is type(None):
+        continue
+      try:
+        return _coerce(key, value, a)
+      except ConfigError as e:
+        errors.append(str(e))
+    raise ConfigError(errors[0])
+  if dataclasses.is_dataclass(tp):
+    if not isinstance(value, dict):
+      raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__}")
+    return _build(tp, value, key + ".")
+  if tp is bool:
+    if not isinstance(value, bool):
+      raise ConfigError(f"{key}: expected true/false, got {value!r}")
+    return value
+  if tp is int:
+    if isinstance(value, bool) or not isinstance(value, int):
+      raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    return value
+  if tp is float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      raise ConfigError(f"{key}: expected a number, got {value!r}")
+    return float(value)
+  if tp is str:
+    if not isinstance(value, str):
+      raise ConfigError(f"{key}: expected a string, got {value!r}")
+    return value
+  raise TypeError(f"unsupported annotation {tp} for {key}")
+
+
+def _build(cls, raw: dict, prefix: str = ""):
+  hints = typing.get_type_hints(cls)
+  names = {f.name for f in dataclasses.fields(cls)}
+  for k in raw:
+    if k not in names:
+      raise ConfigError(f"{prefix}{k}: unknown key (known: {', '.join(sorted(names))})")
+  return cls(**{k: _coerce(prefix + k, v, hints[k]) for k, v in raw.items()})
+
+
+def _parse_scalar(text: str) -> Any:
+  return yaml.safe_load(text) if text.strip() else ""
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+  """Applies `a.b=value` strings (values parsed as YAML scalars) to a nested dict, in order."""
+  raw = _deepcopy(raw)
+  for ov in overrides:
+    if "=" not in ov:
+      raise ConfigError(f"override {ov!r}: expected key.path=value")
+    path, text = ov.split("=", 1)
+    keys = path.strip().split(".")
+    node = raw
+    for k in keys[:-1]:
+      node = node.setdefault(k, {})
+      if not isinstance(node, dict):
+        raise ConfigError(f"{path}: {k} is not a section")
+    node[keys[-1]] = _parse_scalar(text)
+  return raw
+
+
+def _deepcopy(d):
+  return {k: _deepcopy(v) if isinstance(v, dict) else v for k, v in d.items()}
+
+
+def from_dict(raw: dict) -> Config:
+  """Builds a validated Config; unknown keys, wrong types and impossible values raise ConfigError."""
+  if not isinstance(raw, dict):
+    raise ConfigError(f"config: expected a mapping at the top level, got {type(raw).__name__}")
+  return _build(Config, raw)
+
+
+def load(path: str | Path | None, overrides: list[str] = ()) -> Config:
+  """Reads YAML (with `base:` files merged first, relative to it), then applies dotted overrides."""
+  raw = _read_yaml(Path(path)) if path else {}
+  return from_dict(apply_overrides(raw, list(overrides)))
+
+
+def _read_yaml(path: Path) -> dict:
+  if not path.exists():
+    raise ConfigError(f"config: file {path} does not exist")
+  raw = yaml.safe_load(path.read_text()) or {}
+  if not isinstance(raw, dict):
+    raise ConfigError(f"config: {path} must hold a mapping")
+  base = raw.pop("base", None)
+  if base is None:
+    return raw
+  return _merge(_read_yaml(path.parent / base), raw)
+
+
+def _merge(a: dict, b: dict) -> dict:
+  out = _deepcopy(a)
+  for k, v in b.items():
+    out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+  return out
+
+
+def to_dict(cfg) -> dict:
+  return dataclasses.asdict(cfg)

@@ -1,0 +1,106 @@
+"""`python -m mtjax.train --config FILE [key.path=value ...]`: train with host-resident state."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+
+import jax
+from tqdm.auto import tqdm
+
+from mtjax import config as config_lib
+from mtjax import data, state as state_lib
+from mtjax.engine import Engine
+
+
+def peak_rss_bytes() -> int:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def device_peak_bytes(device) -> int | None:
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  return None if not stats else stats.get("peak_bytes_in_use")
+
+
+def run(cfg: config_lib.Config, progress: bool = True) -> dict:
+  """Trains for cfg.train.steps steps and returns a summary of the run."""
+  device = jax.devices()[0]
+  init_key = jax.random.key(cfg.train.seed)  # the only key: data is seeded from train.seed by step
+  t0 = time.perf_counter()
+  st = state_lib.create(cfg.model, init_key, device)
+  init_s = time.perf_counter() - t0
+  engine = Engine(cfg, st, device)
+  batches = data.batches(cfg.data, cfg.train.batch, cfg.train.seq, cfg.model.vocab_size,
+                         cfg.train.seed)
+  losses, times = [], []
+  bar = tqdm(range(cfg.train.steps), desc="train", disable=not progress, dynamic_ncols=True)
+  try:
+    for i in bar:
+      stats = engine.step(next(batches))
+      losses.append(stats.loss)
+      times.append(stats.step_s)
+      if i % cfg.train.log_every == 0 or i == cfg.train.steps - 1:
+        bar.set_postfix(loss=f"{stats.loss:.4f}", tok_s=f"{stats.tokens / stats.step_s:,.0f}",
+                        step_s=f"{stats.step_s:.3f}", gnorm=f"{stats.grad_norm:.3f}")
+    engine.sync()
+  finally:
+    engine.close()
+  timed = times[1:] or times  # the first step includes compilation
+  step_s = statistics.median(timed)
+  tokens = cfg.train.batch * cfg.train.seq
+  n = st.n_params
+  summary = {
+      "params": n,
+      "steps": cfg.train.steps,
+      "first_loss": losses[0],
+      "final_loss": losses[-1],
+      "step_s_median": step_s,
+      "tokens_per_s": tokens / step_s,
+      "model_tflops": 6 * n * tokens / step_s / 1e12,
+      "host_state_bytes_per_param": st.host_bytes() / n,
+      "peak_rss_gib": peak_rss_bytes() / 2**30,
+      "peak_rss_bytes_per_param": peak_rss_bytes() / n,
+      "device_peak_gib": (lambda b: None if b is None else b / 2**30)(device_peak_bytes(device)),
+      "init_s": init_s,
+      "device": str(device),
+      "jax": jax.__version__,
+  }
+  return summary
+
+
+def format_summary(s: dict) -> str:
+  dev = "n/a" if s["device_peak_gib"] is None else f"{s['device_peak_gib']:.2f} GiB"
+  return (f"{s['params'] / 1e6:,.1f}M params on {s['device']} | {s['steps']} steps | "
+          f"loss {s['first_loss']:.4f} -> {s['final_loss']:.4f} | "
+          f"{s['tokens_per_s']:,.0f} tokens/s, {s['step_s_median']:.3f} s/step (median after the "
+          f"first), {s['model_tflops']:.2f} model TFLOP/s | host state "
+          f"{s['host_state_bytes_per_param']:.2f} B/param, peak RSS {s['peak_rss_gib']:.2f} GiB | "
+          f"device peak {dev}")
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = argparse.ArgumentParser(prog="python -m mtjax.train", description=__doc__)
+  p.add_argument("--config", required=True, help="YAML config file")
+  p.add_argument("--json", help="also write the summary as JSON to this path")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=5")
+  args = p.parse_args(argv)
+  try:
+    cfg = config_lib.load(args.config, args.overrides)
+  except config_lib.ConfigError as e:
+    print(f"config error: {e}", file=sys.stderr)
+    return 2
+  summary = run(cfg, progress=not args.no_progress)
+  print(format_summary(summary))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(summary, f, indent=2)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,104 @@
+"""An independent whole-model Llama in plain jax.numpy: the reference the engine is checked against.
+
+It shares no code with mtjax's layer math: attention is the naive masked softmax with key/value
+heads repeated, RoPE uses the rotate-half form with frequencies computed in numpy (float64), the
+loss is an unchunked log-softmax. Parameters use the tree of `HostState.to_tree()`.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def inv_freq_np(cfg) -> np.ndarray:
+  hd = cfg.dim_per_head
+  inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+  if cfg.rope_scaling == "linear":
+    inv = inv / cfg.rope_factor
+  elif cfg.rope_scaling == "llama3":
+    out = []
+    for f in inv:
+      wavelen = 2 * math.pi / f
+      if wavelen < cfg.rope_original_max_len / cfg.rope_high_freq_factor:
+        out.append(f)
+      elif wavelen > cfg.rope_original_max_len / cfg.rope_low_freq_factor:
+        out.append(f / cfg.rope_factor)
+      else:
+        s = ((cfg.rope_original_max_len / wavelen - cfg.rope_low_freq_factor)
+             / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor))
+        out.append((1 - s) * f / cfg.rope_factor + s * f)
+    inv = np.array(out)
+  return inv
+
+
+def rotate_half(x):
+  h = x.shape[-1] // 2
+  return jnp.concatenate([-x[..., h:], x[..., :h]], axis=-1)
+
+
+def rope(x, cfg):
+  T = x.shape[1]
+  freqs = np.outer(np.arange(T), inv_freq_np(cfg))
+  emb = np.concatenate([freqs, freqs], axis=-1)
+  cos = jnp.asarray(np.cos(emb), jnp.float32)[None, :, None, :]
+  sin = jnp.asarray(np.sin(emb), jnp.float32)[None, :, None, :]
+  xf = x.astype(jnp.float32)
+  return (xf * cos + rotate_half(xf) * sin).astype(x.dtype)
+
+
+def rmsnorm(x, scale, eps):
+  xf = x.astype(jnp.float32)
+  var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+  return (xf / jnp.sqrt(var + eps)).astype(x.dtype) * scale.astype(x.dtype)
+
+
+def linear(x, p):
+  y = x @ p["kernel"].astype(x.dtype)
+  if "bias" in p:
+    y = y + p["bias"].astype(x.dtype)
+  return y
+
+
+def attention(x, p, cfg):
+  B, T, _ = x.shape
+  H, K, hd = cfg.heads, cfg.n_kv_heads, cfg.dim_per_head
+  q = rope(linear(x, p["q"]).reshape(B, T, H, hd), cfg)
+  k = rope(linear(x, p["k"]).reshape(B, T, K, hd), cfg)
+  v = linear(x, p["v"]).reshape(B, T, K, hd)
+  k = jnp.repeat(k, H // K, axis=2)
+  v = jnp.repeat(v, H // K, axis=2)
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32))
+  scores = scores / math.sqrt(hd)
+  mask = np.tril(np.ones((T, T), bool))
+  scores = jnp.where(mask[None, None], scores, -1e30)
+  probs = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum("bhqk,bkhd->bqhd", probs, v.astype(jnp.float32)).astype(x.dtype)
+  return linear(out.reshape(B, T, H * hd), p["o"])
+
+
+def block(x, p, cfg):
+  h = x + attention(rmsnorm(x, p["attn_norm"]["scale"], cfg.norm_eps), p["attn"], cfg)
+  m = rmsnorm(h, p["mlp_norm"]["scale"], cfg.norm_eps)
+  mp = p["mlp"]
+  return h + linear(jax.nn.silu(linear(m, mp["gate"])) * linear(m, mp["up"]), mp["down"])
+
+
+def loss_fn(params, inputs, targets, cfg, dtype=jnp.float32):
+  """Mean next-token cross-entropy of the whole model in one graph."""
+  cast = jax.tree.map(lambda a: a.astype(dtype), params)
+  x = cast["embed"]["table"][inputs]
+  for p in cast["blocks"]:
+    x = block(x, p, cfg)
+  hp = cast["head"]
+  x = rmsnorm(x, hp["norm"]["scale"], cfg.norm_eps)
+  w = cast["embed"]["table"].T if cfg.tie_embeddings else hp["out"]
+  logits = (x @ w).astype(jnp.float32)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def decay_mask(params):
+  """Weight decay on matrices only, as mtjax does."""
+  return jax.tree.map(lambda a: a.ndim >= 2, params)
