@@ -161,13 +161,20 @@ class Engine:
     fns = layer_fns(cfg.model, state.layouts, DTYPES[e.compute_dtype], e.micro_batch,
                     e.loss_chunk, impl)
     self.fns = fns
-    self._embed_fwd = jax.jit(fns.embed_fwd)
-    self._embed_bwd = jax.jit(fns.embed_bwd)
-    self._block_fwd = jax.jit(fns.block_fwd)
+
+    def jit(fn, **kw):
+      def with_precision(*args):
+        with jax.default_matmul_precision(e.matmul_precision):
+          return fn(*args)
+      return jax.jit(with_precision, **kw)
+
+    self._embed_fwd = jit(fns.embed_fwd)
+    self._embed_bwd = jit(fns.embed_bwd)
+    self._block_fwd = jit(fns.block_fwd)
     # The incoming cotangent dies here: its buffer becomes the outgoing one.
-    self._block_bwd = jax.jit(fns.block_bwd, donate_argnums=(2,))
-    self._block_bwd_keep = jax.jit(fns.block_bwd)  # norm-only pass of clip_mode=recompute
-    self._head = jax.jit(fns.head_step)
+    self._block_bwd = jit(fns.block_bwd, donate_argnums=(2,))
+    self._block_bwd_keep = jit(fns.block_bwd)  # norm-only pass of clip_mode=recompute
+    self._head = jit(fns.head_step)
     self._sumsq = jax.jit(lambda g: jnp.sum(g * g))
     self._add = jax.jit(jnp.add)
     self.opt = HostOptimizer(cfg.optim, cfg.decay_steps)

@@ -55,7 +55,7 @@ class RMSNorm(nn.Module):
     scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return normed.astype(x.dtype) * scale.astype(x.dtype)
+    return normed.astype(x.dtype) * scale.astype(x.dtype).reshape((1,) * (x.ndim - 1) + (-1,))
 
 
 def _dense(features, name, bias=False):

@@ -51,13 +51,13 @@ def rope(x, cfg):
 def rmsnorm(x, scale, eps):
   xf = x.astype(jnp.float32)
   var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
-  return (xf / jnp.sqrt(var + eps)).astype(x.dtype) * scale.astype(x.dtype)
+  return (xf / jnp.sqrt(var + eps)).astype(x.dtype) * scale.astype(x.dtype)[None, None, :]
 
 
 def linear(x, p):
   y = x @ p["kernel"].astype(x.dtype)
   if "bias" in p:
-    y = y + p["bias"].astype(x.dtype)
+    y = y + p["bias"].astype(x.dtype)[None, None, :]
   return y
 
 
@@ -102,3 +102,10 @@ def loss_fn(params, inputs, targets, cfg, dtype=jnp.float32):
 def decay_mask(params):
   """Weight decay on matrices only, as mtjax does."""
   return jax.tree.map(lambda a: a.ndim >= 2, params)
+
+
+def flat_grads(state, tree) -> list:
+  """A reference gradient tree laid out as the engine's per-group flat vectors."""
+  return ([state.embed.layout.flatten(tree["embed"])]
+          + [g.layout.flatten(t) for g, t in zip(state.blocks, tree["blocks"])]
+          + [state.head.layout.flatten(tree["head"])])
