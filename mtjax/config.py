@@ -119,7 +119,7 @@ class TrainConfig:
   steps: int = 20  # optimizer steps to run
   batch: int = 8  # sequences per optimizer step (global batch)
   seq: int = 64  # tokens per sequence
-  seed: int = 0  # seeds init (key split once in run) and data
+  seed: int = 0  # seeds the weight init and the data stream
   log_every: int = 1  # steps between progress-bar updates of the loss
 
   def __post_init__(self):
@@ -190,6 +190,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
       raise ConfigError(f"{key}: expected an integer, got {value!r}")
     return value
   if tp is float:
+    if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+      try:
+        value = float(value)
+      except ValueError:
+        pass
     if isinstance(value, bool) or not isinstance(value, (int, float)):
       raise ConfigError(f"{key}: expected a number, got {value!r}")
     return float(value)
