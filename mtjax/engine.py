@@ -134,6 +134,17 @@ def layer_fns(cfg: ModelConfig, lays: dict[str, Layout], compute_dtype, micro_ba
   return LayerFns(embed_fwd, embed_bwd, block_fwd, block_bwd, head_step)
 
 
+def attention_impl(choice: str, device: jax.Device, compute_dtype: str, cfg: ModelConfig) -> str:
+  """`auto` takes cuDNN's fused (flash) attention where it applies: on a GPU, in bf16, for head
+  widths it supports; jax's own default is the XLA path that materialises [T x T] scores."""
+  if choice != "auto":
+    return choice
+  hd = cfg.dim_per_head
+  if device.platform == "gpu" and compute_dtype == "bfloat16" and hd % 8 == 0 and hd <= 128:
+    return "cudnn"
+  return "xla"
+
+
 @dataclasses.dataclass
 class StepStats:
   step: int  # update number just applied (1-based)
@@ -157,9 +168,9 @@ class Engine:
     self.on_host = SingleDeviceSharding(self.device, memory_kind=kind) if kind else None
     e = cfg.engine
     self.overlap = e.overlap
-    impl = None if e.attention == "auto" else e.attention
+    self.attention = attention_impl(e.attention, self.device, e.compute_dtype, cfg.model)
     fns = layer_fns(cfg.model, state.layouts, DTYPES[e.compute_dtype], e.micro_batch,
-                    e.loss_chunk, impl)
+                    e.loss_chunk, self.attention)
     self.fns = fns
 
     def jit(fn, **kw):
@@ -178,6 +189,12 @@ class Engine:
     self._sumsq = jax.jit(lambda g: jnp.sum(g * g))
     self._add = jax.jit(jnp.add)
     self.opt = HostOptimizer(cfg.optim, cfg.decay_steps)
+    self.tracer = None  # benchmarks set an object with .issued(lane, group, phase, array)
+    self._phase = "fwd"
+
+  def _trace(self, lane: str, idx: int, arr):
+    if self.tracer is not None:
+      self.tracer.issued(lane, idx, self._phase, arr)
 
   # ---- transfers -------------------------------------------------------------------------------
 
@@ -187,6 +204,7 @@ class Engine:
     self.opt.wait(idx)
     self._opt_wait += time.perf_counter() - t
     w = jax.device_put(self.state.groups[idx].w, self.on_device)
+    self._trace("h2d", idx, w)
     return w if self.overlap else w.block_until_ready()
 
   def _to_host(self, x):
@@ -211,6 +229,7 @@ class Engine:
   # ---- gradients -> optimizer ----------------------------------------------------------------
 
   def _apply(self, idx: int, g_host, scale: float):
+    self._trace("d2h", idx, g_host)
     group = self.state.groups[idx]
     if not self.overlap:
       self.opt.update(group, g_host, self.state.step, scale)
@@ -227,16 +246,20 @@ class Engine:
     L = len(self.state.blocks)
     tied = self.cfg.model.tie_embeddings
     checkpoint_on_host = self.cfg.engine.checkpoints == "host"
+    self._phase = "fwd"
     w_embed = self._fetch(0)
     w_next = self._fetch(1)  # issued before the embedding kernel so the copy overlaps it
     x = self._embed_fwd(w_embed, tokens)
+    self._trace("compute", 0, x)
     saved = []
     for i in range(L):
       w_cur, w_next = w_next, self._fetch(i + 2)
       saved.append(self._to_host(x) if checkpoint_on_host else x)
       x = self._block_fwd(w_cur, x)
+      self._trace("compute", i + 1, x)
       self._ready(x)
     loss, dx, g_head, g_table = self._head(w_next, w_embed if tied else None, x, targets, weight)
+    self._trace("compute", L + 1, loss)
     return loss, dx, g_head, g_table, saved
 
   def _backward(self, saved, dx, tokens, g_head, g_table, emit, last_pass=True):
@@ -246,6 +269,7 @@ class Engine:
     L = len(self.state.blocks)
     bwd = self._block_bwd if last_pass else self._block_bwd_keep
     self._inflight.clear()
+    self._phase = "bwd"
     emit(L + 1, g_head, self._sumsq(g_head))
 
     def take(i):
@@ -262,12 +286,15 @@ class Engine:
         w_next, x_next = self._fetch(i), take(i - 1)
       dx, g, sq = bwd(w_cur, x_cur, dx)
       del w_cur, x_cur
+      self._trace("compute", i + 1, sq)
       emit(i + 1, g, sq)
       self._ready(sq)  # never a donated buffer
     g_embed = self._embed_bwd(tokens, dx)
     if g_table is not None:
       g_embed = self._add(g_embed, g_table)
-    emit(0, g_embed, self._sumsq(g_embed))
+    sq = self._sumsq(g_embed)
+    self._trace("compute", 0, sq)
+    emit(0, g_embed, sq)
 
   def step(self, batch: Batch) -> StepStats:
     """One optimizer step on `batch`. Updates may still run when this returns; `sync()` waits."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import math
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +68,7 @@ class HostOptimizer:
                                        initializer=numba.set_num_threads,
                                        initargs=(min(self.threads, numba.config.NUMBA_NUM_THREADS),))
     self._pending: dict[int, cf.Future] = {}
+    self.log: list | None = None  # set to [] to record (group name, start, end) of every update
     self._optax = None
     if cfg.impl == "optax":
       self._optax = _OptaxImpl(cfg, self.schedule)
@@ -83,6 +85,12 @@ class HostOptimizer:
     """Applies update number `step` to `group` in place; `grad` is a host array (or a host jax
     array whose copy may still be in flight: np.asarray waits for it)."""
     g = np.asarray(grad)
+    t0 = time.perf_counter()
+    self._update(group, g, step, scale)
+    if self.log is not None:
+      self.log.append((group.name, t0, time.perf_counter()))
+
+  def _update(self, group: Group, g: np.ndarray, step: int, scale: float):
     if g.shape != (group.layout.size,) or g.dtype != np.float32:
       raise ValueError(f"{group.name}: gradient {g.shape} {g.dtype}, expected "
                        f"({group.layout.size},) float32")

@@ -1,0 +1,408 @@
+"""`python -m mtjax.bench --config FILE [options] [key.path=value ...]`: side-by-side step timings.
+
+Measures, in one process: the link and compute ceilings of this machine (bf16 matmul rate,
+pinned host<->device bandwidth, host AdamW rate), then each system on the same shape:
+
+  mtjax         the engine as configured
+  mtjax-serial  the same engine with every overlap off (engine.overlap=false)
+  jax-all-gpu   plain JAX: whole model jitted, params + AdamW state on the GPU, per-block remat
+  roofline      max(FLOPs / matmul rate, PCIe bytes / bandwidth, params / host AdamW rate)
+
+prints a table and writes the records (a JSON list) to --out; --timeline draws one traced step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import queue
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import SingleDeviceSharding
+
+from mtjax import config as config_lib
+from mtjax import data, model, state as state_lib
+from mtjax.engine import DTYPES, Engine, attention_impl
+from mtjax.optimizer import HostOptimizer, schedule
+from mtjax.train import device_peak_bytes
+
+GiB = 2**30
+
+
+# ---- machine ceilings ---------------------------------------------------------------------------
+
+def _median_time(fn, reps):
+  ts = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    ts.append(time.perf_counter() - t)
+  return statistics.median(ts)
+
+
+def matmul_tflops(device, n=8192, reps=10) -> float:
+  k = jax.random.split(jax.random.key(0), 2)
+  a = jax.device_put(jax.random.normal(k[0], (n, n), jnp.bfloat16), device)
+  b = jax.device_put(jax.random.normal(k[1], (n, n), jnp.bfloat16), device)
+  f = jax.jit(lambda a, b: a @ b)
+  jax.block_until_ready(f(a, b))
+  return 2 * n**3 / _median_time(lambda: f(a, b), reps) / 1e12
+
+
+def link_gbps(device, nbytes=2 * GiB, reps=5) -> tuple[float, float]:
+  """(host->device, device->host) GB/s between pinned host memory and the device."""
+  kind = state_lib.host_memory_kind(device)
+  if kind is None:
+    return float("nan"), float("nan")
+  host = SingleDeviceSharding(device, memory_kind=kind)
+  dev = SingleDeviceSharding(device)
+  x_host = jax.device_put(np.ones(nbytes // 4, np.float32), host)
+  x_dev = jax.device_put(x_host, dev)
+  jax.block_until_ready((x_host, x_dev))
+  h2d = nbytes / _median_time(lambda: jax.device_put(x_host, dev), reps) / 1e9
+  d2h = nbytes / _median_time(lambda: jax.device_put(x_dev, host), reps) / 1e9
+  return h2d, d2h
+
+
+def host_adamw_gparams(cfg: config_lib.OptimConfig, n: int, reps=3) -> float:
+  lay = state_lib.Layout.from_shapes({"w": jax.ShapeDtypeStruct((n,), jnp.float32)})
+  rng = np.random.default_rng(0)
+  w = rng.standard_normal(n, dtype=np.float32)
+  g = rng.standard_normal(n, dtype=np.float32)
+  grp = state_lib.Group("probe", "block", lay, w, w, np.zeros(n, np.float32), np.zeros(n, np.float32))
+  opt = HostOptimizer(cfg, 100)
+  opt.update(grp, g, 0)
+  best = min(_time_host(lambda i=i: opt.update(grp, g, i + 1)) for i in range(reps))
+  opt.close()
+  return n / best / 1e9
+
+
+def _time_host(fn):
+  t = time.perf_counter()
+  fn()
+  return time.perf_counter() - t
+
+
+# ---- work counts ----------------------------------------------------------------------------
+
+def flops(cfg: config_lib.Config, attention: str) -> dict:
+  """FLOPs of one step: `model` = 6 * params * tokens; `hw` = what the engine executes (block
+  forward twice: once forward, once re-materialised in the backward; attention included)."""
+  m, t = cfg.model, cfg.train
+  tokens = t.batch * t.seq
+  lays = state_lib.layouts(m)
+  n_params = lays["embed"].size + m.layers * lays["block"].size + lays["head"].size
+  block_matmul = lays["block"].n_decay  # every matrix of a block is a matmul weight
+  head_matmul = m.hidden * m.vocab_size
+  causal = 0.5 if attention == "cudnn" else 1.0  # flash kernels skip the masked half
+  attn_fwd = 4 * t.batch * t.seq**2 * m.heads * m.dim_per_head * causal
+  hw = m.layers * (8 * block_matmul * tokens + 4 * attn_fwd) + 6 * head_matmul * tokens
+  return {"model": 6 * n_params * tokens, "hw": hw, "params": n_params, "tokens": tokens}
+
+
+# ---- systems --------------------------------------------------------------------------------
+
+def run_engine(cfg, st, batches, warmup, steps, trace_path=None):
+  eng = Engine(cfg, st)
+  for i in range(warmup):
+    eng.step(batches(i))
+  eng.sync()
+  eng.opt.log = []
+  times, opt_wait = [], []
+  for i in range(steps):
+    s = eng.step(batches(warmup + i))
+    times.append(s.step_s)
+    opt_wait.append(s.opt_wait_s)
+  eng.sync()
+  log = eng.opt.log
+  opt_busy = sum(e - s for _, s, e in log) / steps
+  timeline = None
+  if trace_path is not None:
+    tracer = Tracer()
+    eng.tracer, eng.opt.log = tracer, []
+    t0 = time.perf_counter()
+    eng.step(batches(warmup + steps))
+    eng.sync()
+    tracer.close()
+    timeline = tracer.events, eng.opt.log, t0, time.perf_counter()
+    eng.tracer = None
+  eng.close()
+  return {"step_s": statistics.median(times), "opt_wait_s": statistics.median(opt_wait),
+          "opt_busy_s": opt_busy, "loss": s.loss, "engine": eng}, timeline
+
+
+def device_compute_s(eng: Engine, batch, reps=3) -> float:
+  """Forward + backward through the same compiled layers with every weight already on the device:
+  the time the GPU needs for its own work, so 1 - this / step_s is its idle share."""
+  resident = {i: jax.device_put(g.w, eng.on_device) for i, g in enumerate(eng.state.groups)}
+  jax.block_until_ready(resident)
+  fetch, eng._fetch = eng._fetch, resident.__getitem__
+  try:
+    def once():
+      eng._opt_wait, eng._inflight = 0.0, collections.deque()
+      B, T = batch.inputs.shape
+      tokens = jax.device_put(batch.inputs, eng.on_device)
+      loss, dx, gh, gt, saved = eng._forward(tokens, jax.device_put(batch.targets, eng.on_device),
+                                             np.float32(1.0 / (B * T)))
+      sink = []
+      eng._backward(saved, dx, tokens, gh, gt, lambda i, g, s: sink.append(s))
+      return sink
+    jax.block_until_ready(once())
+    return _median_time(once, reps)
+  finally:
+    eng._fetch = fetch
+    del resident
+
+
+def all_gpu_step(cfg: config_lib.Config, lays, attention: str):
+  """Plain JAX baseline: the whole model in one jit, fp32 params + AdamW on the device,
+  bf16 compute, each block re-materialised in the backward (jax.checkpoint), blocks scanned."""
+  m = cfg.model
+  cd = DTYPES[cfg.engine.compute_dtype]
+  block, head = model.Block(m, attention), model.Head(m)
+
+  def loss_fn(params, tokens, targets):
+    table = params["embed"].astype(cd).reshape(m.vocab_size, m.hidden)
+    x = jnp.take(table, tokens, axis=0)
+
+    @jax.checkpoint
+    def one(x, wb):
+      return block.apply({"params": lays["block"].unflatten(wb.astype(cd))}, x)
+
+    x, _ = jax.lax.scan(lambda x, wb: (one(x, wb), None), x, params["blocks"])
+    hp = lays["head"].unflatten(params["head"].astype(cd))
+    logits = head.apply({"params": hp}, x, table if m.tie_embeddings else None)
+    return jnp.mean(model.token_nll(logits.reshape(-1, m.vocab_size), targets.reshape(-1)))
+
+  o = cfg.optim
+  tx = optax.adamw(schedule(o, cfg.decay_steps), b1=o.b1, b2=o.b2, eps=o.eps,
+                   weight_decay=o.weight_decay)
+
+  def step(params, opt_state, tokens, targets):
+    loss, g = jax.value_and_grad(loss_fn)(params, tokens, targets)
+    updates, opt_state = tx.update(g, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return tx, jax.jit(step, donate_argnums=(0, 1))
+
+
+def run_all_gpu(cfg, st, batches, warmup, steps, attention):
+  dev = jax.devices()[0]
+  params = {"embed": jax.device_put(st.embed.w_np, dev),
+            "blocks": jax.device_put(np.stack([g.w_np for g in st.blocks]), dev),
+            "head": jax.device_put(st.head.w_np, dev)}
+  tx, step = all_gpu_step(cfg, st.layouts, attention)
+  opt_state = jax.jit(tx.init)(params)
+  times = []
+  for i in range(warmup + steps):
+    b = batches(i)
+    t = time.perf_counter()
+    params, opt_state, loss = step(params, opt_state, b.inputs, b.targets)
+    loss = float(loss)
+    if i >= warmup:
+      times.append(time.perf_counter() - t)
+  del params, opt_state
+  return {"step_s": statistics.median(times), "loss": loss}
+
+
+# ---- timeline -------------------------------------------------------------------------------
+
+class Tracer:
+  """Records when each traced copy / kernel finishes: one watcher thread per lane blocks on the
+  lane's arrays in issue order (each lane is one in-order stream on the device)."""
+
+  def __init__(self):
+    self.events = []  # (lane, group, phase, issued, done)
+    self._queues = {lane: queue.Queue() for lane in ("h2d", "compute", "d2h")}
+    self._threads = [threading.Thread(target=self._watch, args=(lane, q), daemon=True)
+                     for lane, q in self._queues.items()]
+    for t in self._threads:
+      t.start()
+
+  def issued(self, lane, idx, phase, arr):
+    self._queues[lane].put((idx, phase, time.perf_counter(), arr))
+
+  def _watch(self, lane, q):
+    while (item := q.get()) is not None:
+      idx, phase, t_issue, arr = item
+      jax.block_until_ready(arr)
+      self.events.append((lane, idx, phase, t_issue, time.perf_counter()))
+
+  def close(self):
+    for q in self._queues.values():
+      q.put(None)
+    for t in self._threads:
+      t.join()
+
+
+def lanes(events, opt_log, names) -> dict[str, list[tuple[float, float, str, str]]]:
+  """Busy intervals per lane. An item starts once it was issued, its lane was free and its input
+  existed (a kernel's weights had arrived; a gradient's kernel had finished); it ends when seen done."""
+  out = {"h2d": [], "compute": [], "d2h": [], "host optimizer": []}
+  done = {"h2d": {}, "compute": {}}
+  for lane, dep in (("h2d", None), ("compute", "h2d"), ("d2h", "compute")):
+    free = 0.0
+    for _, idx, phase, t_issue, t_done in sorted((e for e in events if e[0] == lane),
+                                                 key=lambda e: e[3]):
+      start = max(t_issue, free)
+      if dep is not None:
+        start = max(start, done[dep].get(idx, start) if dep == "compute"
+                    else done[dep].get((idx, phase), start))
+      start = min(start, t_done)
+      out[lane].append((start, t_done, str(idx), phase))
+      free = t_done
+      if lane == "h2d":
+        done["h2d"][(idx, phase)] = t_done
+      elif lane == "compute":
+        done["compute"][idx] = t_done
+  index = {n: i for i, n in enumerate(names)}
+  out["host optimizer"] = [(s, e, str(index.get(n, n)), "bwd") for n, s, e in opt_log]
+  return out
+
+
+def draw_timeline(path, lane_map, t0, t1, title):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(16, 3.8))
+  colors = {"fwd": "#4c72b0", "bwd": "#dd8452"}
+  names = list(lane_map)
+  for row, lane in enumerate(names):
+    for s, e, label, phase in lane_map[lane]:
+      ax.barh(row, (e - s) * 1e3, left=(s - t0) * 1e3, height=0.6, color=colors[phase],
+              edgecolor="black", linewidth=0.3)
+      if (e - s) / max(t1 - t0, 1e-9) > 0.012:
+        ax.text((s + e) / 2 * 1e3 - t0 * 1e3, row, label, ha="center", va="center", fontsize=6)
+  ax.set_yticks(range(len(names)), names)
+  ax.invert_yaxis()
+  ax.set_xlabel("ms since the step began (blue: forward, orange: backward; labels: layer group)")
+  ax.set_title(title)
+  ax.set_xlim(0, (t1 - t0) * 1e3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=130)
+  plt.close(fig)
+
+
+# ---- main -----------------------------------------------------------------------------------
+
+def main(argv=None):
+  p = argparse.ArgumentParser(prog="python -m mtjax.bench", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--config", required=True)
+  p.add_argument("--systems", default="mtjax,mtjax-serial,jax-all-gpu,roofline")
+  p.add_argument("--warmup", type=int, default=2)
+  p.add_argument("--steps", type=int, default=5)
+  p.add_argument("--out", help="append records to this JSON list")
+  p.add_argument("--timeline", help="PNG of one traced mtjax step")
+  p.add_argument("overrides", nargs="*")
+  args = p.parse_args(argv)
+  try:
+    cfg = config_lib.load(args.config, args.overrides)
+  except config_lib.ConfigError as e:
+    print(f"config error: {e}", file=sys.stderr)
+    return 2
+  systems = args.systems.split(",")
+  unknown = set(systems) - {"mtjax", "mtjax-serial", "jax-all-gpu", "roofline"}
+  if unknown:
+    print(f"--systems: unknown {sorted(unknown)}", file=sys.stderr)
+    return 2
+  dev = jax.devices()[0]
+  attention = attention_impl(cfg.engine.attention, dev, cfg.engine.compute_dtype, cfg.model)
+  work = flops(cfg, attention)
+  print(f"{cfg.model.layers} layers x {cfg.model.hidden} hidden, {work['params'] / 1e9:.2f}B params, "
+        f"batch {cfg.train.batch} x seq {cfg.train.seq}, attention {attention}, {dev}", flush=True)
+
+  mm = matmul_tflops(dev)
+  h2d, d2h = link_gbps(dev)
+  block_size = state_lib.layouts(cfg.model)["block"].size
+  opt_rate = host_adamw_gparams(cfg.optim, max(block_size, 2**20))
+  print(f"ceilings: bf16 matmul {mm:.0f} TFLOP/s, H2D {h2d:.1f} GB/s, D2H {d2h:.1f} GB/s, "
+        f"host AdamW {opt_rate:.2f} Gparam/s", flush=True)
+
+  st = state_lib.create(cfg.model, jax.random.key(cfg.train.seed), dev)
+  n = st.n_params
+  batches = lambda i: data.synthetic_batch(i, cfg.train.batch, cfg.train.seq,
+                                           cfg.model.vocab_size, cfg.train.seed)
+  ckpt_bytes = (cfg.train.batch * cfg.train.seq * cfg.model.hidden * cfg.model.layers
+                * (2 if cfg.engine.compute_dtype == "bfloat16" else 4)
+                if cfg.engine.checkpoints == "host" else 0)
+  pcie_h2d, pcie_d2h = 8 * n + ckpt_bytes, 4 * n + ckpt_bytes
+  roof = {"flops_s": work["hw"] / (mm * 1e12), "h2d_s": pcie_h2d / (h2d * 1e9),
+          "d2h_s": pcie_d2h / (d2h * 1e9), "host_opt_s": n / (opt_rate * 1e9)}
+  roofline_s = max(roof.values())
+  base = {"params": n, "hidden": cfg.model.hidden, "layers": cfg.model.layers,
+          "batch": cfg.train.batch, "seq": cfg.train.seq, "h2d_gbps": h2d, "d2h_gbps": d2h,
+          "host_opt_gparams_per_s": opt_rate, "roofline_s": roofline_s, "matmul_tflops": mm,
+          "attention": attention, "jax_version": jax.__version__, "device": str(dev)}
+
+  def record(system, step_s, **kw):
+    r = dict(system=system, **base, step_s=step_s, tokens_per_s=work["tokens"] / step_s,
+             model_tflops=work["model"] / step_s / 1e12, hw_tflops=work["hw"] / step_s / 1e12)
+    r.update(kw)
+    return r
+
+  records, timeline = [], None
+  for system in systems:
+    if system in ("mtjax", "mtjax-serial"):
+      c = cfg if system == "mtjax" else dataclasses.replace(
+          cfg, engine=dataclasses.replace(cfg.engine, overlap=False))
+      r, tl = run_engine(c, st, batches, args.warmup, args.steps,
+                         args.timeline if system == "mtjax" else None)
+      timeline = timeline or tl
+      compute_s = device_compute_s(r["engine"], batches(0)) if system == "mtjax" else None
+      peak = device_peak_bytes(dev)
+      records.append(record(
+          system, r["step_s"], host_bytes_per_param=st.host_bytes() / n,
+          device_peak_gib=None if peak is None else peak / GiB,
+          gpu_idle_frac=None if compute_s is None else max(0.0, 1 - compute_s / r["step_s"]),
+          device_compute_s=compute_s, opt_busy_s=r["opt_busy_s"], opt_wait_s=r["opt_wait_s"],
+          achieved_opt_gparams_per_s=n / r["opt_busy_s"] if r["opt_busy_s"] else None,
+          loss=r["loss"]))
+    elif system == "jax-all-gpu":
+      try:
+        r = run_all_gpu(cfg, st, batches, args.warmup, args.steps, attention)
+        records.append(record(system, r["step_s"], host_bytes_per_param=0.0,
+                              device_peak_gib=(device_peak_bytes(dev) or 0) / GiB, loss=r["loss"]))
+      except Exception as e:  # noqa: BLE001 - a shape that does not fit is a result, not a crash
+        print(f"jax-all-gpu: did not run ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+    elif system == "roofline":
+      records.append(record(system, roofline_s, **{f"roofline_{k}": v for k, v in roof.items()}))
+    print(f"  {records[-1]['system'] if records else system}: done", flush=True)
+
+  print()
+  hdr = f"{'system':<14}{'step s':>9}{'tokens/s':>11}{'model TF':>10}{'hw TF':>8}{'GPU idle':>10}{'dev GiB':>9}"
+  print(hdr)
+  for r in records:
+    idle = r.get("gpu_idle_frac")
+    peak = r.get("device_peak_gib")
+    print(f"{r['system']:<14}{r['step_s']:>9.3f}{r['tokens_per_s']:>11,.0f}{r['model_tflops']:>10.1f}"
+          f"{r['hw_tflops']:>8.1f}{'' if idle is None else f'{idle:.1%}':>10}"
+          f"{'' if peak is None else f'{peak:.1f}':>9}")
+  print("roofline terms (s): " + ", ".join(f"{k} {v:.3f}" for k, v in roof.items()))
+
+  if args.out:
+    path = Path(args.out)
+    old = json.loads(path.read_text()) if path.exists() else []
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(old + records, indent=1))
+  if args.timeline and timeline is not None:
+    events, opt_log, t0, t1 = timeline
+    names = [g.name for g in st.groups]
+    draw_timeline(args.timeline, lanes(events, opt_log, names), t0, t1,
+                  f"mtjax step, {work['params'] / 1e9:.2f}B params, batch {cfg.train.batch} x "
+                  f"{cfg.train.seq}: {t1 - t0:.3f} s")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
