@@ -59,7 +59,7 @@ res = {}
 for impl in ("fused", "optax"):
   opt = HostOptimizer(config.OptimConfig(impl=impl), 100)
   w = rng.standard_normal(n, dtype=np.float32)
-  grp = st.Group("w", "block", lay, w, w, np.zeros(n, np.float32), np.zeros(n, np.float32))
+  grp = st.Group("w", "block", lay, w, np.zeros(n, np.float32), np.zeros(n, np.float32))
   opt.update(grp, g, 0)
   ts = []
   for i in range(3):

@@ -79,7 +79,7 @@ def host_adamw_gparams(cfg: config_lib.OptimConfig, n: int, reps=3) -> float:
   rng = np.random.default_rng(0)
   w = rng.standard_normal(n, dtype=np.float32)
   g = rng.standard_normal(n, dtype=np.float32)
-  grp = state_lib.Group("probe", "block", lay, w, w, np.zeros(n, np.float32), np.zeros(n, np.float32))
+  grp = state_lib.Group("probe", "block", lay, w, np.zeros(n, np.float32), np.zeros(n, np.float32))
   opt = HostOptimizer(cfg, 100)
   opt.update(grp, g, 0)
   best = min(_time_host(lambda i=i: opt.update(grp, g, i + 1)) for i in range(reps))
@@ -152,10 +152,11 @@ def device_compute_s(eng: Engine, batch, reps=3) -> float:
       eng._opt_wait, eng._inflight = 0.0, collections.deque()
       B, T = batch.inputs.shape
       tokens = jax.device_put(batch.inputs, eng.on_device)
-      loss, dx, gh, gt, saved = eng._forward(tokens, jax.device_put(batch.targets, eng.on_device),
-                                             np.float32(1.0 / (B * T)))
+      loss, dx, gh, gt, saved, weights = eng._forward(
+          tokens, jax.device_put(batch.targets, eng.on_device), np.float32(1.0 / (B * T)))
       sink = []
-      eng._backward(saved, dx, tokens, gh, gt, lambda i, g, s: sink.append(s))
+      eng._backward(saved, dx, tokens, gh, gt, weights, lambda i, g, s, w: sink.append(s),
+                    update=False)
       return sink
     jax.block_until_ready(once())
     return _median_time(once, reps)

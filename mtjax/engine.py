@@ -35,7 +35,7 @@ from jax.sharding import SingleDeviceSharding
 from mtjax import model
 from mtjax.config import Config, ModelConfig
 from mtjax.data import Batch
-from mtjax.optimizer import HostOptimizer, clip_scale
+from mtjax.optimizer import HostOptimizer, adamw_on_device, clip_scale
 from mtjax.state import HostState, Layout, host_memory_kind
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -189,6 +189,16 @@ class Engine:
     self._sumsq = jax.jit(lambda g: jnp.sum(g * g))
     self._add = jax.jit(jnp.add)
     self.opt = HostOptimizer(cfg.optim, cfg.decay_steps)
+    # Groups [0, n_device) -- the last ones the backward reaches -- are updated on the device:
+    # their moments cross the link (pinned buffers, so by DMA) and their updated weights stay on
+    # the device for the next forward, which needs exactly these layers first.
+    self.n_device = e.device_update_layers
+    for g in state.groups[:self.n_device]:
+      g.pin(self.device, ("m", "v"))
+    self._device_adamw = jax.jit(adamw_on_device, static_argnums=(6,), donate_argnums=(0, 1, 2))
+    self._resident: dict[int, jax.Array] = {}  # group -> its current fp32 weights on the device
+    self._resident_version = state.version
+    self._moments: dict[int, tuple] = {}  # group -> (m, v) on the device, prefetched
     self.tracer = None  # benchmarks set an object with .issued(lane, group, phase, array)
     self._phase = "fwd"
 
@@ -200,12 +210,19 @@ class Engine:
 
   def _fetch(self, idx: int):
     """Copies group `idx`'s master weights to the device, once its last update has finished."""
+    if idx in self._resident:
+      return self._resident[idx]
     t = time.perf_counter()
     self.opt.wait(idx)
     self._opt_wait += time.perf_counter() - t
     w = jax.device_put(self.state.groups[idx].w, self.on_device)
     self._trace("h2d", idx, w)
     return w if self.overlap else w.block_until_ready()
+
+  def _prefetch_moments(self, idx: int):
+    if idx < self.n_device and idx not in self._moments:
+      g = self.state.groups[idx]
+      self._moments[idx] = (self._to_device(g.m), self._to_device(g.v))
 
   def _to_host(self, x):
     if self.on_host is None:
@@ -228,9 +245,22 @@ class Engine:
 
   # ---- gradients -> optimizer ----------------------------------------------------------------
 
-  def _apply(self, idx: int, g_host, scale: float):
-    self._trace("d2h", idx, g_host)
+  def _apply(self, idx: int, g, scale: float, w=None):
+    """Hands group `idx`'s gradient (device or host array) to its optimizer: the device update for
+    the last `n_device` groups (w: the weights the device already holds, if any), else the host."""
     group = self.state.groups[idx]
+    if idx < self.n_device:
+      w = self._fetch(idx) if w is None else w
+      self._prefetch_moments(idx)
+      m, v = self._moments.pop(idx)
+      w, m, v = self._device_adamw(w, m, v, g, self.opt.hyper(self.state.step), np.float32(scale),
+                                   group.layout.n_decay)
+      self._resident[idx] = w
+      group.swap(w=self._to_host(w), m=self._to_host(m), v=self._to_host(v))
+      self._trace("d2h", idx, group.w)
+      return
+    g_host = self._to_host(g)
+    self._trace("d2h", idx, g_host)
     if not self.overlap:
       self.opt.update(group, g_host, self.state.step, scale)
       return
@@ -260,17 +290,25 @@ class Engine:
       self._ready(x)
     loss, dx, g_head, g_table = self._head(w_next, w_embed if tied else None, x, targets, weight)
     self._trace("compute", L + 1, loss)
-    return loss, dx, g_head, g_table, saved
+    weights = {L + 1: w_next}
+    if self.n_device > 0:
+      weights[0] = w_embed  # its device update needs it after the backward
+    return loss, dx, g_head, g_table, saved, weights
 
-  def _backward(self, saved, dx, tokens, g_head, g_table, emit, last_pass=True):
-    """Walks the blocks in reverse; calls emit(group index, device gradient, device |g|^2).
+  def _backward(self, saved, dx, tokens, g_head, g_table, weights, emit, last_pass=True,
+                update=True):
+    """Walks the blocks in reverse; calls emit(group index, device gradient, device |g|^2, device
+    weights or None) for the head, each block and the embedding, in that order.
 
-    On the last pass over `saved` each checkpoint is released as soon as its block is done."""
+    On the last pass over `saved` each checkpoint is released as soon as its block is done; when
+    the pass `update`s, the moments of device-updated groups are prefetched alongside weights."""
     L = len(self.state.blocks)
     bwd = self._block_bwd if last_pass else self._block_bwd_keep
     self._inflight.clear()
     self._phase = "bwd"
-    emit(L + 1, g_head, self._sumsq(g_head))
+    if update:
+      self._prefetch_moments(L + 1)
+    emit(L + 1, g_head, self._sumsq(g_head), weights.pop(L + 1, None) if last_pass else weights.get(L + 1))
 
     def take(i):
       x = self._to_device(saved[i])
@@ -280,21 +318,26 @@ class Engine:
 
     if L:
       w_next, x_next = self._fetch(L), take(L - 1)
+      if update:
+        self._prefetch_moments(L)
     for i in reversed(range(L)):
       w_cur, x_cur = w_next, x_next
       if i > 0:  # prefetch block i-1 before queuing block i's kernel
         w_next, x_next = self._fetch(i), take(i - 1)
+      if update:
+        self._prefetch_moments(i)
       dx, g, sq = bwd(w_cur, x_cur, dx)
-      del w_cur, x_cur
+      del x_cur
       self._trace("compute", i + 1, sq)
-      emit(i + 1, g, sq)
+      emit(i + 1, g, sq, w_cur)
+      del w_cur
       self._ready(sq)  # never a donated buffer
     g_embed = self._embed_bwd(tokens, dx)
     if g_table is not None:
       g_embed = self._add(g_embed, g_table)
     sq = self._sumsq(g_embed)
     self._trace("compute", 0, sq)
-    emit(0, g_embed, sq)
+    emit(0, g_embed, sq, weights.get(0))
 
   def step(self, batch: Batch) -> StepStats:
     """One optimizer step on `batch`. Updates may still run when this returns; `sync()` waits."""
@@ -308,34 +351,36 @@ class Engine:
       if a.shape != (B, T) or a.min(initial=0) < 0 or a.max(initial=0) >= V:
         raise ValueError(f"batch.{name}: expected shape {(B, T)} with ids in [0, {V}), got shape "
                          f"{a.shape}, range [{a.min(initial=0)}, {a.max(initial=0)}]")
+    self._check_resident()
     tokens = jax.device_put(batch.inputs, self.on_device)
     targets = jax.device_put(batch.targets, self.on_device)
-    loss, dx, g_head, g_table, saved = self._forward(tokens, targets, np.float32(1.0 / (B * T)))
-
+    loss, dx, g_head, g_table, saved, weights = self._forward(tokens, targets,
+                                                              np.float32(1.0 / (B * T)))
     sq = {}
     if ocfg.clip_norm is None:
-      def emit(idx, g, s):
+      def emit(idx, g, s, w):
         sq[idx] = s
-        self._apply(idx, self._to_host(g), 1.0)
-      self._backward(saved, dx, tokens, g_head, g_table, emit)
+        self._apply(idx, g, 1.0, w)
+      self._backward(saved, dx, tokens, g_head, g_table, weights, emit)
       norm = math.sqrt(sum(float(s) for s in sq.values()))
     elif ocfg.clip_mode == "host_buffer":
       held = {}
-      def emit(idx, g, s):
-        sq[idx], held[idx] = s, self._to_host(g)
-      self._backward(saved, dx, tokens, g_head, g_table, emit)
+      def emit(idx, g, s, w):  # host-updated groups' gradients wait in host memory
+        sq[idx] = s
+        held[idx] = (g if idx < self.n_device else self._to_host(g), w)
+      self._backward(saved, dx, tokens, g_head, g_table, weights, emit)
       norm = math.sqrt(sum(float(s) for s in sq.values()))  # waits for the backward to end
       scale = clip_scale(norm, ocfg.clip_norm)
-      for idx, g in held.items():  # in backward order, as they were produced
-        self._apply(idx, g, scale)
+      for idx, (g, w) in held.items():  # in backward order, as they were produced
+        self._apply(idx, g, scale, w)
       del held
     else:  # recompute: a norm-only backward, then the applying one
-      self._backward(saved, dx, tokens, g_head, g_table,
-                     lambda idx, g, s: sq.__setitem__(idx, s), last_pass=False)
+      self._backward(saved, dx, tokens, g_head, g_table, weights,
+                     lambda idx, g, s, w: sq.__setitem__(idx, s), last_pass=False, update=False)
       norm = math.sqrt(sum(float(s) for s in sq.values()))
       scale = clip_scale(norm, ocfg.clip_norm)
-      self._backward(saved, dx, tokens, g_head, g_table,
-                     lambda idx, g, s: self._apply(idx, self._to_host(g), scale))
+      self._backward(saved, dx, tokens, g_head, g_table, weights,
+                     lambda idx, g, s, w: self._apply(idx, g, scale, w))
 
     lr = float(self.opt.schedule(st.step))
     st.step += 1
@@ -346,17 +391,25 @@ class Engine:
     """Mean loss and every group's fp32 gradient (host copies), streamed like a step; no update."""
     B, T = batch.inputs.shape
     self._opt_wait, self._inflight = 0.0, collections.deque()
+    self._check_resident()
     tokens = jax.device_put(batch.inputs, self.on_device)
-    loss, dx, g_head, g_table, saved = self._forward(
+    loss, dx, g_head, g_table, saved, weights = self._forward(
         tokens, jax.device_put(batch.targets, self.on_device), np.float32(1.0 / (B * T)))
     out = {}
-    self._backward(saved, dx, tokens, g_head, g_table,
-                   lambda idx, g, s: out.__setitem__(idx, self._to_host(g)))
+    self._backward(saved, dx, tokens, g_head, g_table, weights,
+                   lambda idx, g, s, w: out.__setitem__(idx, self._to_host(g)), update=False)
     return float(loss), [np.array(out[i]) for i in range(len(self.state.groups))]
 
+  def _check_resident(self):
+    """Drops device copies of weights that were overwritten on the host (HostState.load_tree)."""
+    if self.state.version != self._resident_version:
+      self._resident.clear()
+      self._resident_version = self.state.version
+
   def sync(self):
-    """Waits for every queued host update: afterwards the host state is the post-step state."""
+    """Waits for every queued update and copy: afterwards the host state is the post-step state."""
     self.opt.wait_all()
+    jax.block_until_ready([(g.w, g.m, g.v) for g in self.state.groups[:self.n_device]])
 
   def close(self):
     self.opt.close()

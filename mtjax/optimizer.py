@@ -15,7 +15,6 @@ Updates run on one worker thread, in the order gradients arrive, so they overlap
 from __future__ import annotations
 
 import concurrent.futures as cf
-import math
 import os
 import time
 
@@ -102,7 +101,7 @@ class HostOptimizer:
     sc = np.float32(scale)
     for lo, hi, wd in ((0, nd, h["wd"]), (nd, group.layout.size, np.float32(0))):
       if hi > lo:
-        _adamw_inplace(group.w_np[lo:hi], group.m[lo:hi], group.v[lo:hi], g[lo:hi], h["lr"],
+        _adamw_inplace(group.w_np[lo:hi], group.m_np[lo:hi], group.v_np[lo:hi], g[lo:hi], h["lr"],
                        h["b1"], h["b2"], h["eps"], wd, h["bc1"], h["bc2"], sc)
 
   def submit(self, idx: int, group: Group, grad, step: int, scale: float = 1.0):
@@ -153,11 +152,18 @@ class _OptaxImpl:
   def update(self, group: Group, g: np.ndarray, step: int, scale: float):
     nd = group.layout.n_decay
     split = lambda a: (jax.device_put(a[:nd], self.cpu), jax.device_put(a[nd:], self.cpu))
-    w, mu, nu = self._step(split(group.w_np), split(g), split(group.m), split(group.v),
+    w, mu, nu = self._step(split(group.w_np), split(g), split(group.m_np), split(group.v_np),
                            np.int32(step), np.float32(scale))
-    for dst, src in ((group.w_np, w), (group.m, mu), (group.v, nu)):
+    for dst, src in ((group.w_np, w), (group.m_np, mu), (group.v_np, nu)):
       dst[:nd], dst[nd:] = np.asarray(src[0]), np.asarray(src[1])
 
 
-def global_norm(sq_norms) -> float:
-  return math.sqrt(float(sum(float(s) for s in sq_norms)))
+def adamw_on_device(w, m, v, g, hyper: dict, scale, n_decay: int):
+  """The fused kernel's update as a jax function, for layers updated on the device: the same fp32
+  arithmetic, decay on elements [0, n_decay). Returns (w, m, v)."""
+  g = g * scale
+  m = hyper["b1"] * m + (1 - hyper["b1"]) * g
+  v = hyper["b2"] * v + (1 - hyper["b2"]) * g * g
+  wd = jnp.where(jnp.arange(w.shape[0]) < n_decay, hyper["wd"], jnp.float32(0))
+  u = (m / hyper["bc1"]) / (jnp.sqrt(v / hyper["bc2"]) + hyper["eps"]) + wd * w
+  return w - hyper["lr"] * u, m, v

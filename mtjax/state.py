@@ -14,8 +14,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import zlib
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,16 +100,63 @@ def layouts(cfg: ModelConfig) -> dict[str, Layout]:
   return {k: Layout.from_shapes(v["params"]) for k, v in shapes.items()}
 
 
-@dataclasses.dataclass
 class Group:
-  """One layer's host state. `w` is what travels; `w_np` is a writable view of the same memory."""
-  name: str
-  kind: str  # "embed" | "block" | "head"
-  layout: Layout
-  w: Any  # jax.Array in pinned_host memory, or a numpy array where the device has no such memory
-  w_np: np.ndarray
-  m: np.ndarray
-  v: np.ndarray
+  """One layer's host state: buffers `w`, `m`, `v` and writable numpy views `w_np`, `m_np`, `v_np`.
+
+  A buffer is a jax array in pinned host memory (what a copy to or from the device reads or
+  writes by DMA) or, where the device has no such memory, a numpy array. The engine may replace a
+  buffer with a new pinned array that a device->host copy produced (`swap`); views follow.
+  """
+
+  def __init__(self, name: str, kind: str, layout: Layout, w, m, v):
+    self.name, self.kind, self.layout = name, kind, layout
+    self.w, self.m, self.v = w, m, v
+    self._views: dict[str, np.ndarray] = {}
+
+  def _view(self, attr: str) -> np.ndarray:
+    view = self._views.get(attr)
+    if view is None:
+      buf = getattr(self, attr)
+      view = buf if isinstance(buf, np.ndarray) else _writable_view(buf.block_until_ready())
+      self._views[attr] = view
+    return view
+
+  @property
+  def w_np(self) -> np.ndarray:
+    return self._view("w")
+
+  @property
+  def m_np(self) -> np.ndarray:
+    return self._view("m")
+
+  @property
+  def v_np(self) -> np.ndarray:
+    return self._view("v")
+
+  def swap(self, **buffers):
+    """Replaces buffers (e.g. w=..., m=...) with arrays of the same size; their copies may still be
+    in flight (a view waits for them)."""
+    for attr, buf in buffers.items():
+      if buf.shape != (self.layout.size,) or buf.dtype != np.float32:
+        raise ValueError(f"{self.name}.{attr}: {buf.shape} {buf.dtype}, expected "
+                         f"({self.layout.size},) float32")
+      setattr(self, attr, buf)
+      self._views.pop(attr, None)
+
+  def pin(self, device: jax.Device, attrs=("w", "m", "v")):
+    """Moves the named buffers into pinned host memory, where the device has it (one copy each)."""
+    kind = host_memory_kind(device)
+    if kind is None:
+      return
+    sharding = SingleDeviceSharding(device, memory_kind=kind)
+    for attr in attrs:
+      buf = getattr(self, attr)
+      if isinstance(buf, np.ndarray):
+        self.swap(**{attr: jax.device_put(buf, sharding).block_until_ready()})
+
+  @property
+  def nbytes(self) -> int:
+    return 3 * 4 * self.layout.size
 
 
 def host_memory_kind(device: jax.Device) -> str | None:
@@ -135,14 +180,12 @@ def _writable_view(arr: jax.Array) -> np.ndarray:
   return view
 
 
-def _alloc_master(n: int, device: jax.Device) -> tuple[Any, np.ndarray]:
+def _alloc_pinned(n: int, device: jax.Device):
   kind = host_memory_kind(device)
   if kind is None:
-    w = np.zeros(n, np.float32)
-    return w, w
-  w = jax.device_put(np.zeros(n, np.float32), SingleDeviceSharding(device, memory_kind=kind))
-  w.block_until_ready()
-  return w, _writable_view(w)
+    return np.zeros(n, np.float32)
+  return jax.device_put(np.zeros(n, np.float32),
+                        SingleDeviceSharding(device, memory_kind=kind)).block_until_ready()
 
 
 def _stable_key(key: jax.Array, *names: str) -> jax.Array:
@@ -175,6 +218,7 @@ class HostState:
   layouts: dict[str, Layout]
   groups: list[Group]  # embed, block_0..block_{L-1}, head (the order of the forward pass)
   step: int = 0  # optimizer updates applied so far
+  version: int = 0  # bumped when weights are overwritten from outside, so device copies go stale
 
   @property
   def embed(self) -> Group:
@@ -194,7 +238,7 @@ class HostState:
 
   def host_bytes(self) -> int:
     """Bytes of persistent host state: master weights plus both moments."""
-    return sum(g.w_np.nbytes + g.m.nbytes + g.v.nbytes for g in self.groups)
+    return sum(g.nbytes for g in self.groups)
 
   def to_tree(self) -> dict:
     """A numpy copy of all weights: {'embed': ..., 'blocks': [...], 'head': ...}."""
@@ -205,7 +249,7 @@ class HostState:
   def moments_tree(self) -> tuple[dict, dict]:
     """Numpy copies of AdamW m and v in the layout of `to_tree`."""
     def tree(attr):
-      unf = lambda g: jax.tree.map(np.array, g.layout.unflatten(getattr(g, attr)))
+      unf = lambda g: jax.tree.map(np.array, g.layout.unflatten(getattr(g, attr + "_np")))
       return {"embed": unf(self.embed), "blocks": [unf(g) for g in self.blocks],
               "head": unf(self.head)}
     return tree("m"), tree("v")
@@ -218,6 +262,7 @@ class HostState:
     for g, t in zip(self.blocks, tree["blocks"]):
       g.layout.flatten(t, g.w_np)
     self.head.layout.flatten(tree["head"], self.head.w_np)
+    self.version += 1
 
 
 def create(cfg: ModelConfig, key: jax.Array, device: jax.Device | None = None) -> HostState:
@@ -229,8 +274,8 @@ def create(cfg: ModelConfig, key: jax.Array, device: jax.Device | None = None) -
   groups = []
   for name, kind in zip(names, kinds):
     lay = lays[kind]
-    w, w_np = _alloc_master(lay.size, device)
-    init_params(cfg, lay, name, key, w_np)
-    groups.append(Group(name, kind, lay, w, w_np, np.zeros(lay.size, np.float32),
-                        np.zeros(lay.size, np.float32)))
+    group = Group(name, kind, lay, _alloc_pinned(lay.size, device), np.zeros(lay.size, np.float32),
+                  np.zeros(lay.size, np.float32))
+    init_params(cfg, lay, name, key, group.w_np)
+    groups.append(group)
   return HostState(cfg, lays, groups)

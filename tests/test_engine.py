@@ -119,8 +119,13 @@ def test_k_streamed_steps_equal_plain_optax(cfg):
     dict(optim=dict(clip_norm=0.05, clip_mode="host_buffer")),
     dict(optim=dict(clip_norm=0.05, clip_mode="recompute"), model=dict(tie_embeddings=True)),
     dict(optim=dict(clip_norm=1e3, clip_mode="host_buffer")),  # threshold above the norm: no clip
+    dict(engine_=dict(device_update_layers=2)),
+    dict(engine_=dict(device_update_layers=4), model=dict(tie_embeddings=True),
+         optim=dict(clip_norm=0.05, clip_mode="recompute")),
+    dict(engine_=dict(device_update_layers=3, overlap=False),
+         optim=dict(clip_norm=0.05, clip_mode="host_buffer")),
 ], ids=["serial", "host-checkpoints", "optax-impl", "clip-host-buffer", "clip-recompute-tied",
-        "clip-inactive"])
+        "clip-inactive", "device-update-2", "device-update-all-tied-clip", "device-update-serial"])
 def test_engine_variants_equal_plain_optax(variant):
   assert_training_matches_optax(make_cfg(**variant))
 
@@ -197,7 +202,23 @@ def test_state_is_host_resident_at_12_bytes_per_param():
   assert st.host_bytes() == 12 * st.n_params
   for g in st.groups:
     assert g.w.sharding.memory_kind == "pinned_host"
-    assert g.w_np.dtype == g.m.dtype == g.v.dtype == np.float32
+    assert g.w_np.dtype == g.m_np.dtype == g.v_np.dtype == np.float32
+  eng.close()
+
+
+def test_weights_loaded_between_steps_replace_device_copies():
+  cfg = make_cfg(engine_=dict(device_update_layers=3))
+  st, eng = new_engine(cfg)
+  eng.step(batch_for(cfg))
+  eng.sync()
+  fresh = state_lib.create(cfg.model, jax.random.key(9)).to_tree()
+  st.load_tree(fresh)
+  b = batch_for(cfg, 1)
+  loss, grads = eng.grads(b)
+  ref_loss, ref_tree = ref_value_and_grad(fresh, b.inputs, b.targets, cfg.model)
+  np.testing.assert_allclose(loss, float(ref_loss), rtol=1e-5)
+  for g, r in zip(grads, ref.flat_grads(st, ref_tree)):
+    chex.assert_trees_all_close(g, r, rtol=1e-4, atol=1e-6)
   eng.close()
 
 

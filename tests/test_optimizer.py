@@ -8,14 +8,14 @@ import pytest
 from hypothesis import given, strategies as hst
 
 from mtjax import config, state as state_lib
-from mtjax.optimizer import HostOptimizer, clip_scale, schedule
+from mtjax.optimizer import HostOptimizer, adamw_on_device, clip_scale, schedule
 
 
 def make_group(n_mat, n_vec, rng):
   lay = state_lib.Layout.from_shapes({"a": jax.ShapeDtypeStruct((n_mat, 3), jnp.float32),
                                       "b": jax.ShapeDtypeStruct((n_vec,), jnp.float32)})
   w = rng.standard_normal(lay.size).astype(np.float32)
-  return state_lib.Group("g", "block", lay, w, w, np.zeros(lay.size, np.float32),
+  return state_lib.Group("g", "block", lay, w, np.zeros(lay.size, np.float32),
                          np.zeros(lay.size, np.float32))
 
 
@@ -39,8 +39,8 @@ def test_host_adamw_equals_optax(impl, n_mat, n_vec, wd, scale, warmup):
     params = optax.apply_updates(params, updates)
   opt.close()
   np.testing.assert_allclose(grp.w_np, grp.layout.flatten(params), rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(grp.m, grp.layout.flatten(opt_state[0].mu), rtol=1e-5, atol=1e-7)
-  np.testing.assert_allclose(grp.v, grp.layout.flatten(opt_state[0].nu), rtol=1e-5, atol=1e-9)
+  np.testing.assert_allclose(grp.m_np, grp.layout.flatten(opt_state[0].mu), rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(grp.v_np, grp.layout.flatten(opt_state[0].nu), rtol=1e-5, atol=1e-9)
 
 
 def test_worker_thread_applies_updates_in_order():
@@ -71,7 +71,7 @@ def test_wrong_gradient_is_refused_without_touching_state():
   with pytest.raises(ValueError, match="float32"):
     opt.update(grp, np.zeros(grp.layout.size, np.float64), 0)
   np.testing.assert_array_equal(grp.w_np, before)
-  assert not grp.m.any()
+  assert not grp.m_np.any()
   opt.close()
 
 
@@ -90,3 +90,20 @@ def test_clip_scale_matches_optax(norm):
   clipped, _ = optax.clip_by_global_norm(2.0).update(g, None)
   np.testing.assert_allclose(g["a"] * clip_scale(norm, 2.0), clipped["a"], rtol=1e-6)
   assert clip_scale(norm, None) == 1.0
+
+
+def test_device_adamw_equals_host_kernel():
+  cfg = config.OptimConfig(lr=0.05, warmup_steps=0)
+  rng = np.random.default_rng(5)
+  grp = make_group(30, 7, rng)
+  w, m, v = (jnp.asarray(a) for a in (grp.w_np.copy(), grp.m_np.copy(), grp.v_np.copy()))
+  opt = HostOptimizer(cfg, 10)
+  step = jax.jit(adamw_on_device, static_argnums=(6,))
+  for i in range(3):
+    g = rng.standard_normal(grp.layout.size).astype(np.float32)
+    opt.update(grp, g, i, 0.5)
+    w, m, v = step(w, m, v, g, opt.hyper(i), np.float32(0.5), grp.layout.n_decay)
+  opt.close()
+  np.testing.assert_allclose(w, grp.w_np, rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(m, grp.m_np, rtol=1e-6, atol=1e-8)
+  np.testing.assert_allclose(v, grp.v_np, rtol=1e-6, atol=1e-9)
