@@ -305,6 +305,8 @@ def main(argv=None):
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--out", help="append records to this JSON list")
   p.add_argument("--timeline", help="PNG of one traced mtjax step")
+  p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[ KEY=VALUE...]",
+                 help="also time the engine with these overrides, as system mtjax:NAME")
   p.add_argument("overrides", nargs="*")
   args = p.parse_args(argv)
   try:
@@ -352,15 +354,28 @@ def main(argv=None):
     r.update(kw)
     return r
 
+  variants = {}
+  for v in args.variant:
+    name, _, ovs = v.partition(":")
+    try:
+      variants["mtjax:" + name] = config_lib.load(args.config, args.overrides + ovs.split())
+    except config_lib.ConfigError as e:
+      print(f"--variant {name}: {e}", file=sys.stderr)
+      return 2
+  if variants:
+    i = systems.index("mtjax") + 1 if "mtjax" in systems else 0
+    systems[i:i] = list(variants)
+
   records, timeline = [], None
   for system in systems:
-    if system in ("mtjax", "mtjax-serial"):
-      c = cfg if system == "mtjax" else dataclasses.replace(
-          cfg, engine=dataclasses.replace(cfg.engine, overlap=False))
+    if system in ("mtjax", "mtjax-serial") or system in variants:
+      c = variants.get(system, cfg)
+      if system == "mtjax-serial":
+        c = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, overlap=False))
       r, tl = run_engine(c, st, batches, args.warmup, args.steps,
                          args.timeline if system == "mtjax" else None)
       timeline = timeline or tl
-      compute_s = device_compute_s(r["engine"], batches(0)) if system == "mtjax" else None
+      compute_s = device_compute_s(r["engine"], batches(0)) if system != "mtjax-serial" else None
       peak = device_peak_bytes(dev)
       records.append(record(
           system, r["step_s"], host_bytes_per_param=st.host_bytes() / n,
@@ -368,7 +383,7 @@ def main(argv=None):
           gpu_idle_frac=None if compute_s is None else max(0.0, 1 - compute_s / r["step_s"]),
           device_compute_s=compute_s, opt_busy_s=r["opt_busy_s"], opt_wait_s=r["opt_wait_s"],
           achieved_opt_gparams_per_s=n / r["opt_busy_s"] if r["opt_busy_s"] else None,
-          loss=r["loss"]))
+          loss=r["loss"], device_update_layers=c.engine.device_update_layers))
     elif system == "jax-all-gpu":
       try:
         r = run_all_gpu(cfg, st, batches, args.warmup, args.steps, attention)
@@ -381,12 +396,12 @@ def main(argv=None):
     print(f"  {records[-1]['system'] if records else system}: done", flush=True)
 
   print()
-  hdr = f"{'system':<14}{'step s':>9}{'tokens/s':>11}{'model TF':>10}{'hw TF':>8}{'GPU idle':>10}{'dev GiB':>9}"
+  hdr = f"{'system':<20}{'step s':>9}{'tokens/s':>11}{'model TF':>10}{'hw TF':>8}{'GPU idle':>10}{'dev GiB':>9}"
   print(hdr)
   for r in records:
     idle = r.get("gpu_idle_frac")
     peak = r.get("device_peak_gib")
-    print(f"{r['system']:<14}{r['step_s']:>9.3f}{r['tokens_per_s']:>11,.0f}{r['model_tflops']:>10.1f}"
+    print(f"{r['system']:<20}{r['step_s']:>9.3f}{r['tokens_per_s']:>11,.0f}{r['model_tflops']:>10.1f}"
           f"{r['hw_tflops']:>8.1f}{'' if idle is None else f'{idle:.1%}':>10}"
           f"{'' if peak is None else f'{peak:.1f}':>9}")
   print("roofline terms (s): " + ", ".join(f"{k} {v:.3f}" for k, v in roof.items()))
