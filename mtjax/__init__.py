@@ -1,7 +1,6 @@
-"""mtjax: full-precision LLM training on one GPU, with all training state resident in host memory."""
+"""mtjax: full-precision LLM training on one GPU, with all training state resident in host memory.
 
-import os
-
-# XLA caps its pinned host pool at 64 GiB unless told otherwise; the master weights of a 16B model
-# alone exceed that. Raise the cap before any backend starts (a user's own setting wins).
-os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "1024")
+XLA caps its pinned host pool (which holds the master weights) at 64 GiB unless
+XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB says otherwise; `mtjax.plan.configure_pinned_pool(plan)` sets it
+from a plan, as `python -m mtjax.train` does, and must run before the jax backend starts.
+"""

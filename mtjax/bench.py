@@ -31,7 +31,7 @@ import optax
 from jax.sharding import SingleDeviceSharding
 
 from mtjax import config as config_lib
-from mtjax import data, model, state as state_lib
+from mtjax import data, model, plan as plan_lib, state as state_lib
 from mtjax.engine import DTYPES, Engine, attention_impl
 from mtjax.optimizer import HostOptimizer, schedule
 from mtjax.train import device_peak_bytes
@@ -314,6 +314,7 @@ def main(argv=None):
   except config_lib.ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2
+  plan_lib.configure_pinned_pool(plan_lib.make(cfg))
   systems = args.systems.split(",")
   unknown = set(systems) - {"mtjax", "mtjax-serial", "jax-all-gpu", "roofline"}
   if unknown:

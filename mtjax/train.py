@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 import statistics
@@ -13,7 +14,7 @@ import jax
 from tqdm.auto import tqdm
 
 from mtjax import config as config_lib
-from mtjax import data, state as state_lib
+from mtjax import data, plan as plan_lib, state as state_lib
 from mtjax.engine import Engine
 
 
@@ -26,8 +27,20 @@ def device_peak_bytes(device) -> int | None:
   return None if not stats else stats.get("peak_bytes_in_use")
 
 
+def check_fits(cfg: config_lib.Config) -> plan_lib.Plan:
+  """Plans the run and refuses (PlanError) one that cannot fit, before anything is allocated; caps
+  the pinned host pool to what the run pins when the jax backend has not started yet."""
+  plan = plan_lib.make(cfg, host_limit=plan_lib.host_memory_limit())
+  plan_lib.check(plan)
+  plan_lib.configure_pinned_pool(plan)
+  plan = dataclasses.replace(plan, device_limit=plan_lib.device_memory_limit(jax.devices()[0]))
+  plan_lib.check(plan)
+  return plan
+
+
 def run(cfg: config_lib.Config, progress: bool = True) -> dict:
   """Trains for cfg.train.steps steps and returns a summary of the run."""
+  plan = check_fits(cfg)
   device = jax.devices()[0]
   init_key = jax.random.key(cfg.train.seed)  # the only key: data is seeded from train.seed by step
   t0 = time.perf_counter()
@@ -66,6 +79,9 @@ def run(cfg: config_lib.Config, progress: bool = True) -> dict:
       "peak_rss_bytes_per_param": peak_rss_bytes() / n,
       "device_peak_gib": (lambda b: None if b is None else b / 2**30)(device_peak_bytes(device)),
       "init_s": init_s,
+      "plan_host_gib": plan.host_total / 2**30,
+      "plan_device_gib": plan.device_total / 2**30,
+      "plan_step_s": plan.predicted_step_s,
       "device": str(device),
       "jax": jax.__version__,
   }
@@ -79,7 +95,8 @@ def format_summary(s: dict) -> str:
           f"{s['tokens_per_s']:,.0f} tokens/s, {s['step_s_median']:.3f} s/step (median after the "
           f"first), {s['model_tflops']:.2f} model TFLOP/s | host state "
           f"{s['host_state_bytes_per_param']:.2f} B/param, peak RSS {s['peak_rss_gib']:.2f} GiB | "
-          f"device peak {dev}")
+          f"device peak {dev} | plan: host {s['plan_host_gib']:.2f} GiB, device "
+          f"{s['plan_device_gib']:.2f} GiB, step >= {s['plan_step_s']:.3f} s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,7 +111,11 @@ def main(argv: list[str] | None = None) -> int:
   except config_lib.ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2
-  summary = run(cfg, progress=not args.no_progress)
+  try:
+    summary = run(cfg, progress=not args.no_progress)
+  except plan_lib.PlanError as e:
+    print(f"refused: {e}", file=sys.stderr)
+    return 2
   print(format_summary(summary))
   if args.json:
     with open(args.json, "w") as f:
