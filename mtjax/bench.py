@@ -314,7 +314,6 @@ def main(argv=None):
   except config_lib.ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     return 2
-  plan_lib.configure_pinned_pool(plan_lib.make(cfg))
   systems = args.systems.split(",")
   unknown = set(systems) - {"mtjax", "mtjax-serial", "jax-all-gpu", "roofline"}
   if unknown:
@@ -363,6 +362,9 @@ def main(argv=None):
     except config_lib.ConfigError as e:
       print(f"--variant {name}: {e}", file=sys.stderr)
       return 2
+  # The pinned pool must hold what the most demanding variant pins (moments of device updates).
+  plan_lib.configure_pinned_pool(max((plan_lib.make(c) for c in [cfg, *variants.values()]),
+                                     key=lambda p: p.pinned))
   if variants:
     i = systems.index("mtjax") + 1 if "mtjax" in systems else 0
     systems[i:i] = list(variants)

@@ -1,0 +1,89 @@
+"""The planner: its figures against real allocations, and refusal before anything is allocated."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import pytest
+from hypothesis import given, strategies as hst
+
+from mtjax import config, plan, state as state_lib, train
+
+CONFIGS = Path(__file__).parent.parent / "configs"
+
+
+@given(heads=hst.sampled_from([2, 4]), kv=hst.sampled_from([1, 2]), bias=hst.booleans(),
+       tied=hst.booleans(), layers=hst.integers(1, 3), head_dim=hst.sampled_from([None, 8]))
+def test_param_counts_equal_the_real_layouts(heads, kv, bias, tied, layers, head_dim):
+  m = config.ModelConfig(vocab_size=50, hidden=32, layers=layers, heads=heads, kv_heads=kv,
+                         head_dim=head_dim, ffn=40, qkv_bias=bias, tie_embeddings=tied)
+  lays = state_lib.layouts(m)
+  pc = plan.param_counts(m)
+  assert (pc["embed"], pc["block"], pc["head"]) == (lays["embed"].size, lays["block"].size,
+                                                     lays["head"].size)
+  assert pc["total"] == state_lib.create(m, jax.random.key(0)).n_params
+
+
+def test_shipped_shapes_have_their_nominal_sizes():
+  sizes = {f: plan.param_counts(config.load(CONFIGS / f).model)["total"] / 1e9
+           for f in ("llama_1b.yaml", "llama_3b.yaml", "llama_7b.yaml", "llama_9b.yaml")}
+  assert sizes == pytest.approx({"llama_1b.yaml": 0.95, "llama_3b.yaml": 3.37,
+                                 "llama_7b.yaml": 6.74, "llama_9b.yaml": 9.17}, abs=0.01)
+
+
+def test_host_state_figures_equal_the_allocation():
+  cfg = config.load(CONFIGS / "tiny.yaml")
+  p = plan.make(cfg)
+  st = state_lib.create(cfg.model, jax.random.key(0))
+  assert p.host["master weights"] + p.host["AdamW moments"] == st.host_bytes()
+  assert p.host_bytes_per_param == 12.0
+  buffered = plan.make(config.load(CONFIGS / "tiny.yaml", ["optim.clip_norm=1.0"]))
+  assert buffered.host["clip gradient buffer"] == 4 * st.n_params  # said plainly: +4 B/param
+  recompute = plan.make(config.load(CONFIGS / "tiny.yaml", ["optim.clip_norm=1.0",
+                                                            "optim.clip_mode=recompute"]))
+  assert recompute.host["clip gradient buffer"] == 0
+
+
+def test_peak_rss_during_init_stays_near_the_state(tmp_path):
+  # One 16-block model of ~29M params (350 MB of state); init may add a few layers on top.
+  script = textwrap.dedent("""
+      import resource, jax, numpy as np
+      from mtjax import config, state, plan
+      jax.numpy.zeros(1).block_until_ready()
+      m = config.ModelConfig(vocab_size=512, hidden=384, layers=16, heads=6, ffn=1024)
+      base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+      st = state.create(m, jax.random.key(0))
+      peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+      layer = 12 * max(g.layout.size for g in st.groups)
+      print(peak - base, st.host_bytes(), layer)
+  """)
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+  grown, state_bytes, layer = map(int, out.stdout.split())
+  assert grown <= state_bytes + 4 * layer, (grown, state_bytes, layer)
+
+
+def test_run_that_cannot_fit_is_refused_before_allocation(monkeypatch):
+  cfg = config.load(CONFIGS / "llama_7b.yaml")
+  monkeypatch.setattr(plan, "host_memory_limit", lambda: 64 * 2**30)
+  monkeypatch.setattr(state_lib, "create", lambda *a, **k: pytest.fail("allocated before refusing"))
+  with pytest.raises(plan.PlanError, match=r"host memory: needs 82\.\d GiB .* limit 64\.0 GiB"):
+    train.run(cfg, progress=False)
+
+
+def test_device_refusal_names_the_largest_item():
+  cfg = config.load(CONFIGS / "llama_3b.yaml", ["train.batch=64", "engine.micro_batch=64"])
+  p = plan.make(cfg, device_limit=8 * 2**30)
+  with pytest.raises(plan.PlanError, match="device memory: needs .* limit 8.0 GiB; lower train.batch"):
+    plan.check(p)
+
+
+def test_plan_cli_and_train_cli_refusal():
+  r = subprocess.run([sys.executable, "-m", "mtjax.plan", "--config", str(CONFIGS / "tiny.yaml"),
+                      "--no-device"], capture_output=True, text=True)
+  assert r.returncode == 0 and "fits" in r.stdout and "predicted step" in r.stdout
+  r = subprocess.run([sys.executable, "-m", "mtjax.train", "--config", str(CONFIGS / "tiny.yaml"),
+                      "model.layers=2000000"], capture_output=True, text=True)
+  assert r.returncode == 2
+  assert r.stderr.startswith("refused: does not fit in host memory") and r.stderr.count("\n") == 1
