@@ -299,7 +299,6 @@ def draw_timeline(path, lane_map, t0, t1, title):
 def main(argv=None):
   p = argparse.ArgumentParser(prog="python -m mtjax.bench", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--config", required=True)
   p.add_argument("--systems", default="mtjax,mtjax-serial,jax-all-gpu,roofline")
   p.add_argument("--warmup", type=int, default=2)
   p.add_argument("--steps", type=int, default=5)
@@ -307,13 +306,7 @@ def main(argv=None):
   p.add_argument("--timeline", help="PNG of one traced mtjax step")
   p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[ KEY=VALUE...]",
                  help="also time the engine with these overrides, as system mtjax:NAME")
-  p.add_argument("overrides", nargs="*")
-  args = p.parse_args(argv)
-  try:
-    cfg = config_lib.load(args.config, args.overrides)
-  except config_lib.ConfigError as e:
-    print(f"config error: {e}", file=sys.stderr)
-    return 2
+  args, cfg = config_lib.parse_cli(p, argv)
   systems = args.systems.split(",")
   unknown = set(systems) - {"mtjax", "mtjax-serial", "jax-all-gpu", "roofline"}
   if unknown:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 import types
 import typing
 from pathlib import Path
@@ -276,6 +277,19 @@ def _merge(a: dict, b: dict) -> dict:
   for k, v in b.items():
     out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
   return out
+
+
+def parse_cli(parser, argv=None):
+  """Adds --config and dotted overrides to `parser`, parses `argv` and loads the config; a bad
+  config ends the program with exit code 2 and a one-line message. Returns (args, config)."""
+  parser.add_argument("--config", required=True, help="YAML config file")
+  parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=5")
+  args = parser.parse_args(argv)
+  try:
+    return args, load(args.config, args.overrides)
+  except ConfigError as e:
+    print(f"config error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
 
 
 def to_dict(cfg) -> dict:

@@ -189,7 +189,7 @@ def check(plan: Plan) -> None:
 
 def format_plan(plan: Plan) -> str:
   lim = lambda x: "unknown" if x is None else f"{x / GiB:.1f} GiB"
-  lines = [f"{plan.params / 1e9:.3f}B parameters; host state {plan.host_bytes_per_param:.2f} B/param",
+  lines = [f"{plan.params / 1e6:,.1f}M parameters; host state {plan.host_bytes_per_param:.2f} B/param",
            f"host memory: {plan.host_total / GiB:.2f} GiB of {lim(plan.host_limit)} "
            f"({'fits' if plan.fits_host else 'DOES NOT FIT'}); pinned {plan.pinned / GiB:.2f} GiB"]
   lines += [f"  {k:<34}{v / GiB:>9.2f} GiB" for k, v in plan.host.items() if v]
@@ -203,15 +203,8 @@ def format_plan(plan: Plan) -> str:
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m mtjax.plan", description=__doc__)
-  p.add_argument("--config", required=True)
   p.add_argument("--no-device", action="store_true", help="do not ask the accelerator its memory")
-  p.add_argument("overrides", nargs="*")
-  args = p.parse_args(argv)
-  try:
-    cfg = config_lib.load(args.config, args.overrides)
-  except config_lib.ConfigError as e:
-    print(f"config error: {e}", file=sys.stderr)
-    return 2
+  args, cfg = config_lib.parse_cli(p, argv)
   plan = make(cfg, host_limit=host_memory_limit())
   if not args.no_device:
     configure_pinned_pool(plan)

@@ -101,16 +101,9 @@ def format_summary(s: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(prog="python -m mtjax.train", description=__doc__)
-  p.add_argument("--config", required=True, help="YAML config file")
   p.add_argument("--json", help="also write the summary as JSON to this path")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
-  p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=5")
-  args = p.parse_args(argv)
-  try:
-    cfg = config_lib.load(args.config, args.overrides)
-  except config_lib.ConfigError as e:
-    print(f"config error: {e}", file=sys.stderr)
-    return 2
+  args, cfg = config_lib.parse_cli(p, argv)
   try:
     summary = run(cfg, progress=not args.no_progress)
   except plan_lib.PlanError as e:
