@@ -125,9 +125,14 @@ class TrainConfig:
   seq: int = 64  # tokens per sequence
   seed: int = 0  # seeds the weight init and the data stream
   log_every: int = 1  # steps between progress-bar updates of the loss
+  checkpoint_dir: str | None = None  # where orbax checkpoints go; None saves none
+  checkpoint_every: int = 0  # steps between checkpoints; 0 saves only at the end
+  resume: bool = True  # continue from the newest checkpoint in checkpoint_dir, if there is one
 
   def __post_init__(self):
     _positive(self, "steps", "batch", "seq", "log_every")
+    if self.checkpoint_every < 0:
+      raise ConfigError(f"train.checkpoint_every: {self.checkpoint_every} must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ import jax
 from tqdm.auto import tqdm
 
 from mtjax import config as config_lib
-from mtjax import data, plan as plan_lib, state as state_lib
+from mtjax import checkpoint, data, plan as plan_lib, state as state_lib
 from mtjax.engine import Engine
 
 
@@ -46,29 +46,42 @@ def run(cfg: config_lib.Config, progress: bool = True) -> dict:
   t0 = time.perf_counter()
   st = state_lib.create(cfg.model, init_key, device)
   init_s = time.perf_counter() - t0
+  tc = cfg.train
+  resumed = checkpoint.latest(tc.checkpoint_dir) if tc.checkpoint_dir and tc.resume else None
+  if resumed is not None:
+    checkpoint.restore(st, resumed)
   engine = Engine(cfg, st, device)
-  batches = data.batches(cfg.data, cfg.train.batch, cfg.train.seq, cfg.model.vocab_size,
-                         cfg.train.seed)
+  batches = data.batches(cfg.data, tc.batch, tc.seq, cfg.model.vocab_size, tc.seed,
+                         start_step=st.step)
   losses, times = [], []
-  bar = tqdm(range(cfg.train.steps), desc="train", disable=not progress, dynamic_ncols=True)
+  bar = tqdm(range(st.step, tc.steps), desc="train", disable=not progress, dynamic_ncols=True)
   try:
     for i in bar:
       stats = engine.step(next(batches))
       losses.append(stats.loss)
       times.append(stats.step_s)
-      if i % cfg.train.log_every == 0 or i == cfg.train.steps - 1:
+      if i % tc.log_every == 0 or i == tc.steps - 1:
         bar.set_postfix(loss=f"{stats.loss:.4f}", tok_s=f"{stats.tokens / stats.step_s:,.0f}",
                         step_s=f"{stats.step_s:.3f}", gnorm=f"{stats.grad_norm:.3f}")
+      if tc.checkpoint_dir and tc.checkpoint_every and st.step % tc.checkpoint_every == 0:
+        engine.sync()
+        checkpoint.save(st, tc.checkpoint_dir)
     engine.sync()
+    if tc.checkpoint_dir and losses:
+      checkpoint.save(st, tc.checkpoint_dir)
   finally:
     engine.close()
+  if not losses:
+    raise ValueError(f"train.steps: {tc.steps} reached already by the checkpoint at step "
+                     f"{st.step} ({resumed}); raise train.steps to train further")
   timed = times[1:] or times  # the first step includes compilation
   step_s = statistics.median(timed)
   tokens = cfg.train.batch * cfg.train.seq
   n = st.n_params
   summary = {
       "params": n,
-      "steps": cfg.train.steps,
+      "steps": len(losses),
+      "resumed_from": None if resumed is None else str(resumed),
       "first_loss": losses[0],
       "final_loss": losses[-1],
       "step_s_median": step_s,
@@ -108,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = run(cfg, progress=not args.no_progress)
   except plan_lib.PlanError as e:
     print(f"refused: {e}", file=sys.stderr)
+    return 2
+  except (ValueError, FileNotFoundError) as e:  # bad data file, checkpoint, or nothing to do
+    print(f"error: {e}", file=sys.stderr)
     return 2
   print(format_summary(summary))
   if args.json:
