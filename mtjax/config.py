@@ -72,6 +72,7 @@ class OptimConfig:
   clip_norm: float | None = None  # global-norm clip threshold; None disables clipping
   clip_mode: Literal["host_buffer", "recompute"] = "host_buffer"  # how exact global clipping gets every norm first
   threads: int | None = None  # host optimizer threads; None means all cores
+  chunk: int = 0  # elements per dynamically scheduled chunk of the host AdamW; 0 splits the loop statically
 
   def __post_init__(self):
     if self.lr < 0 or not 0 <= self.min_lr_ratio <= 1:
@@ -82,6 +83,8 @@ class OptimConfig:
       raise ConfigError("optim.eps must be > 0, optim.weight_decay and optim.warmup_steps >= 0")
     if self.clip_norm is not None and self.clip_norm <= 0:
       raise ConfigError(f"optim.clip_norm: {self.clip_norm} must be > 0 or null")
+    if self.chunk < 0:
+      raise ConfigError(f"optim.chunk: {self.chunk} must be >= 0")
     if self.threads is not None and self.threads <= 0:
       raise ConfigError(f"optim.threads: {self.threads} must be > 0 or null")
 

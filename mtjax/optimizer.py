@@ -99,10 +99,14 @@ class HostOptimizer:
     h = self.hyper(step)
     nd = group.layout.n_decay
     sc = np.float32(scale)
-    for lo, hi, wd in ((0, nd, h["wd"]), (nd, group.layout.size, np.float32(0))):
-      if hi > lo:
-        _adamw_inplace(group.w_np[lo:hi], group.m_np[lo:hi], group.v_np[lo:hi], g[lo:hi], h["lr"],
-                       h["b1"], h["b2"], h["eps"], wd, h["bc1"], h["bc2"], sc)
+    # optim.chunk > 0 hands chunks out dynamically instead of one equal split per thread, which
+    # runs at the pace of its slowest thread when other threads share the cores during a step.
+    # Not yet shown to help: benchmarks/host_adamw_contention.py on 2 cores is within its noise.
+    with numba.parallel_chunksize(self.cfg.chunk):
+      for lo, hi, wd in ((0, nd, h["wd"]), (nd, group.layout.size, np.float32(0))):
+        if hi > lo:
+          _adamw_inplace(group.w_np[lo:hi], group.m_np[lo:hi], group.v_np[lo:hi], g[lo:hi],
+                         h["lr"], h["b1"], h["b2"], h["eps"], wd, h["bc1"], h["bc2"], sc)
 
   def submit(self, idx: int, group: Group, grad, step: int, scale: float = 1.0):
     """Queues `update` on the worker thread; `wait(idx)` blocks until it has run."""
