@@ -58,14 +58,20 @@ def new_engine(cfg, seed=0):
   return st, engine.Engine(cfg, st)
 
 
+def streamed_and_reference(cfg, st, eng, step=0):
+  """(loss, per-group grads) from the engine and from jax.grad of the reference at st's weights."""
+  b = batch_for(cfg, step)
+  loss, grads = eng.grads(b)
+  ref_loss, ref_tree = ref_value_and_grad(st.to_tree(), b.inputs, b.targets, cfg.model)
+  return loss, grads, float(ref_loss), ref.flat_grads(st, ref_tree)
+
+
 @given(configs())
 def test_streamed_grads_equal_whole_model_grad(cfg):
   st, eng = new_engine(cfg)
-  b = batch_for(cfg)
-  loss, grads = eng.grads(b)
-  ref_loss, ref_tree = ref_value_and_grad(st.to_tree(), b.inputs, b.targets, cfg.model)
-  np.testing.assert_allclose(loss, float(ref_loss), rtol=1e-5)
-  for g, r, grp in zip(grads, ref.flat_grads(st, ref_tree), st.groups):
+  loss, grads, ref_loss, ref_grads = streamed_and_reference(cfg, st, eng)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  for g, r, grp in zip(grads, ref_grads, st.groups):
     chex.assert_trees_all_close(g, r, rtol=1e-4, atol=1e-6, custom_message=grp.name)
   eng.close()
 
@@ -141,11 +147,9 @@ def test_clipping_is_active_in_the_clip_tests():
 def test_bf16_compute_within_bf16_tolerance(tied):
   cfg = make_cfg(model=dict(tie_embeddings=tied, layers=3), engine_=dict(compute_dtype="bfloat16"))
   st, eng = new_engine(cfg)
-  b = batch_for(cfg)
-  loss, grads = eng.grads(b)
-  ref_loss, ref_tree = ref_value_and_grad(st.to_tree(), b.inputs, b.targets, cfg.model)
-  np.testing.assert_allclose(loss, float(ref_loss), rtol=1e-2)
-  for g, r, grp in zip(grads, ref.flat_grads(st, ref_tree), st.groups):
+  loss, grads, ref_loss, ref_grads = streamed_and_reference(cfg, st, eng)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-2)
+  for g, r, grp in zip(grads, ref_grads, st.groups):
     rel = np.linalg.norm(g - r) / np.linalg.norm(r)
     assert rel < 3e-2, (grp.name, rel)  # bf16 has an 8-bit mantissa: ~0.4% per rounding
   eng.close()
@@ -211,13 +215,10 @@ def test_weights_loaded_between_steps_replace_device_copies():
   st, eng = new_engine(cfg)
   eng.step(batch_for(cfg))
   eng.sync()
-  fresh = state_lib.create(cfg.model, jax.random.key(9)).to_tree()
-  st.load_tree(fresh)
-  b = batch_for(cfg, 1)
-  loss, grads = eng.grads(b)
-  ref_loss, ref_tree = ref_value_and_grad(fresh, b.inputs, b.targets, cfg.model)
-  np.testing.assert_allclose(loss, float(ref_loss), rtol=1e-5)
-  for g, r in zip(grads, ref.flat_grads(st, ref_tree)):
+  st.load_tree(state_lib.create(cfg.model, jax.random.key(9)).to_tree())
+  loss, grads, ref_loss, ref_grads = streamed_and_reference(cfg, st, eng, step=1)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  for g, r in zip(grads, ref_grads):
     chex.assert_trees_all_close(g, r, rtol=1e-4, atol=1e-6)
   eng.close()
 
