@@ -17,6 +17,7 @@ import argparse
 import collections
 import dataclasses
 import json
+import os
 import queue
 import statistics
 import sys
@@ -87,6 +88,40 @@ def host_adamw_gparams(cfg: config_lib.OptimConfig, n: int, reps=3) -> float:
   return n / best / 1e9
 
 
+def thread_cpu() -> dict[int, tuple[str, float, int]]:
+  """{native thread id: (name, CPU seconds, minor page faults)} of this process (Linux /proc)."""
+  out = {}
+  tick = os.sysconf("SC_CLK_TCK")
+  try:
+    tids = os.listdir("/proc/self/task")
+  except OSError:
+    return out
+  for tid in tids:
+    try:
+      with open(f"/proc/self/task/{tid}/stat") as f:
+        s = f.read()
+    except OSError:
+      continue
+    rest = s[s.rindex(")") + 2:].split()  # fields after the name: state, ppid, ...
+    out[int(tid)] = (s[s.index("(") + 1:s.rindex(")")], (int(rest[11]) + int(rest[12])) / tick,
+                     int(rest[7]))
+  return out
+
+
+def cpu_report(before, after, steps, labels) -> str:
+  """CPU seconds per step by thread over an interval, busiest first, grouped by name."""
+  groups = collections.defaultdict(lambda: [0, 0.0, 0])
+  for tid, (name, cpu, faults) in after.items():
+    _, cpu0, faults0 = before.get(tid, (name, 0.0, 0))
+    g = groups[labels.get(tid, name)]
+    g[0] += 1
+    g[1] += (cpu - cpu0) / steps
+    g[2] += (faults - faults0) / steps
+  rows = sorted(groups.items(), key=lambda kv: -kv[1][1])
+  return "; ".join(f"{name} x{n}: {cpu:.2f} s, {faults:,.0f} faults" for name, (n, cpu, faults)
+                   in rows if cpu >= 0.01 or faults >= 1000)
+
+
 def _time_host(fn):
   t = time.perf_counter()
   fn()
@@ -119,13 +154,19 @@ def run_engine(cfg, st, batches, warmup, steps, trace_path=None):
   eng.sync()
   eng.opt.log = []
   times, opt_wait = [], []
+  worker = eng.opt._pool.submit(threading.get_native_id).result()
+  labels = {threading.get_native_id(): "main", worker: "optimizer worker"}
+  cpu0 = thread_cpu()
   for i in range(steps):
     s = eng.step(batches(warmup + i))
     times.append(s.step_s)
     opt_wait.append(s.opt_wait_s)
   eng.sync()
+  cpu = cpu_report(cpu0, thread_cpu(), steps, labels)
   log = eng.opt.log
   opt_busy = sum(e - s for _, s, e in log) / steps
+  size = {g.name: g.layout.size for g in st.groups}
+  opt_params = sum(size[name] for name, _, _ in log) / steps  # host-updated parameters per step
   timeline = None
   if trace_path is not None:
     tracer = Tracer()
@@ -138,7 +179,7 @@ def run_engine(cfg, st, batches, warmup, steps, trace_path=None):
     eng.tracer = None
   eng.close()
   return {"step_s": statistics.median(times), "opt_wait_s": statistics.median(opt_wait),
-          "opt_busy_s": opt_busy, "loss": s.loss, "engine": eng}, timeline
+          "opt_busy_s": opt_busy, "opt_params": opt_params, "loss": s.loss, "engine": eng, "cpu": cpu}, timeline
 
 
 def device_compute_s(eng: Engine, batch, reps=3) -> float:
@@ -303,7 +344,7 @@ def main(argv=None):
   p.add_argument("--warmup", type=int, default=2)
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--out", help="append records to this JSON list")
-  p.add_argument("--timeline", help="PNG of one traced mtjax step")
+  p.add_argument("--timeline", help="PNG of one traced mtjax step (variants: PNG stem + _NAME)")
   p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[ KEY=VALUE...]",
                  help="also time the engine with these overrides, as system mtjax:NAME")
   args, cfg = config_lib.parse_cli(p, argv)
@@ -362,15 +403,17 @@ def main(argv=None):
     i = systems.index("mtjax") + 1 if "mtjax" in systems else 0
     systems[i:i] = list(variants)
 
-  records, timeline = [], None
+  records, timelines = [], {}
   for system in systems:
     if system in ("mtjax", "mtjax-serial") or system in variants:
       c = variants.get(system, cfg)
       if system == "mtjax-serial":
         c = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, overlap=False))
       r, tl = run_engine(c, st, batches, args.warmup, args.steps,
-                         args.timeline if system == "mtjax" else None)
-      timeline = timeline or tl
+                         args.timeline if system != "mtjax-serial" else None)
+      if tl is not None:
+        timelines[system] = tl
+      print(f"  {system}: CPU per step by thread: {r['cpu']}", flush=True)
       compute_s = device_compute_s(r["engine"], batches(0)) if system != "mtjax-serial" else None
       peak = device_peak_bytes(dev)
       records.append(record(
@@ -378,8 +421,9 @@ def main(argv=None):
           device_peak_gib=None if peak is None else peak / GiB,
           gpu_idle_frac=None if compute_s is None else max(0.0, 1 - compute_s / r["step_s"]),
           device_compute_s=compute_s, opt_busy_s=r["opt_busy_s"], opt_wait_s=r["opt_wait_s"],
-          achieved_opt_gparams_per_s=n / r["opt_busy_s"] if r["opt_busy_s"] else None,
-          loss=r["loss"], device_update_layers=c.engine.device_update_layers))
+          achieved_opt_gparams_per_s=r["opt_params"] / r["opt_busy_s"] / 1e9 if r["opt_busy_s"] else None,
+          loss=r["loss"], device_update_layers=c.engine.device_update_layers,
+          optim_threads=c.optim.threads, optim_chunk=c.optim.chunk, cpu_by_thread=r["cpu"]))
     elif system == "jax-all-gpu":
       try:
         r = run_all_gpu(cfg, st, batches, args.warmup, args.steps, attention)
@@ -392,14 +436,16 @@ def main(argv=None):
     print(f"  {records[-1]['system'] if records else system}: done", flush=True)
 
   print()
-  hdr = f"{'system':<20}{'step s':>9}{'tokens/s':>11}{'model TF':>10}{'hw TF':>8}{'GPU idle':>10}{'dev GiB':>9}"
+  hdr = (f"{'system':<20}{'step s':>9}{'tokens/s':>11}{'model TF':>10}{'hw TF':>8}{'GPU idle':>10}"
+         f"{'dev GiB':>9}{'opt Gp/s':>10}")
   print(hdr)
   for r in records:
     idle = r.get("gpu_idle_frac")
     peak = r.get("device_peak_gib")
+    opt = r.get("achieved_opt_gparams_per_s")
     print(f"{r['system']:<20}{r['step_s']:>9.3f}{r['tokens_per_s']:>11,.0f}{r['model_tflops']:>10.1f}"
           f"{r['hw_tflops']:>8.1f}{'' if idle is None else f'{idle:.1%}':>10}"
-          f"{'' if peak is None else f'{peak:.1f}':>9}")
+          f"{'' if peak is None else f'{peak:.1f}':>9}{'' if not opt else f'{opt:.2f}':>10}")
   print("roofline terms (s): " + ", ".join(f"{k} {v:.3f}" for k, v in roof.items()))
 
   if args.out:
@@ -407,11 +453,13 @@ def main(argv=None):
     old = json.loads(path.read_text()) if path.exists() else []
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(old + records, indent=1))
-  if args.timeline and timeline is not None:
-    events, opt_log, t0, t1 = timeline
-    names = [g.name for g in st.groups]
-    draw_timeline(args.timeline, lanes(events, opt_log, names), t0, t1,
-                  f"mtjax step, {work['params'] / 1e9:.2f}B params, batch {cfg.train.batch} x "
+  names = [g.name for g in st.groups]
+  for system, (events, opt_log, t0, t1) in timelines.items():
+    path = Path(args.timeline)
+    if system != "mtjax":  # variants: name_VARIANT.png beside the main one
+      path = path.with_name(f"{path.stem}_{system.partition(':')[2]}{path.suffix}")
+    draw_timeline(path, lanes(events, opt_log, names), t0, t1,
+                  f"{system} step, {work['params'] / 1e9:.2f}B params, batch {cfg.train.batch} x "
                   f"{cfg.train.seq}: {t1 - t0:.3f} s")
   return 0
 
