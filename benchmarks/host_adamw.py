@@ -14,6 +14,7 @@ import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from mtjax import config, state as st
+from mtjax.bench import machine_cpu
 from mtjax.optimizer import HostOptimizer
 
 print(f"cpus {os.cpu_count()}, numba threads {numba.config.NUMBA_NUM_THREADS}", flush=True)
@@ -38,6 +39,7 @@ def group(pin):
 
 def rate(grp, g, opt, pool=None, reps=4):
   ts = []
+  m0, t0 = machine_cpu(), time.perf_counter()
   for i in range(reps):
     t = time.perf_counter()
     if pool is None:
@@ -45,7 +47,10 @@ def rate(grp, g, opt, pool=None, reps=4):
     else:
       pool.submit(opt.update, grp, g, i).result()
     ts.append(time.perf_counter() - t)
-  print(f"    {n / min(ts[1:]) / 1e9:.2f} Gparam/s (best), {n / np.median(ts[1:]) / 1e9:.2f} (median)")
+  wall = time.perf_counter() - t0
+  cores = {k: (v - m0[k]) / wall for k, v in machine_cpu().items()}
+  print(f"    {n / min(ts[1:]) / 1e9:.2f} Gparam/s (best), {n / np.median(ts[1:]) / 1e9:.2f} (median); "
+        "cores busy by state: " + ", ".join(f"{k} {v:.1f}" for k, v in cores.items() if v >= 0.05))
 
 
 opt = HostOptimizer(config.OptimConfig(), 100)
@@ -76,6 +81,21 @@ print("  main thread, pinned w g, with both-way 1 GiB copies running:")
 rate(grp, g, opt)
 stop.set()
 t.join()
+
+def matmuls():
+  a = jax.device_put(np.ones((8192, 8192), np.float32), SingleDeviceSharding(dev)).astype(jax.numpy.bfloat16)
+  f = jax.jit(lambda a: (a @ a) * 1e-4)
+  while not stop.is_set():
+    a = f(a).block_until_ready()
+for name, target in (("bf16 matmuls on the device", matmuls), ("copies both ways", traffic)):
+  stop.clear()
+  t = threading.Thread(target=target)
+  t.start()
+  time.sleep(1)
+  print(f"  worker thread (the engine's), pinned w g, with {name} running:")
+  rate(grp, g, opt, pool=opt._pool, reps=8)
+  stop.set()
+  t.join()
 try:
   import torch
   tw = [torch.from_numpy(host["w"].copy()).requires_grad_()]

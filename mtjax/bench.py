@@ -108,6 +108,18 @@ def thread_cpu() -> dict[int, tuple[str, float, int]]:
   return out
 
 
+def machine_cpu() -> dict[str, float]:
+  """Core-seconds of the whole machine by state since boot (/proc/stat), steal included."""
+  try:
+    with open("/proc/stat") as f:
+      fields = f.readline().split()[1:]
+  except OSError:
+    return {}
+  names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+  tick = os.sysconf("SC_CLK_TCK")
+  return {n: int(v) / tick for n, v in zip(names, fields)}
+
+
 def cpu_report(before, after, steps, labels) -> str:
   """CPU seconds per step by thread over an interval, busiest first, grouped by name."""
   groups = collections.defaultdict(lambda: [0, 0.0, 0])
@@ -156,13 +168,15 @@ def run_engine(cfg, st, batches, warmup, steps, trace_path=None):
   times, opt_wait = [], []
   worker = eng.opt._pool.submit(threading.get_native_id).result()
   labels = {threading.get_native_id(): "main", worker: "optimizer worker"}
-  cpu0 = thread_cpu()
+  cpu0, machine0 = thread_cpu(), machine_cpu()
   for i in range(steps):
     s = eng.step(batches(warmup + i))
     times.append(s.step_s)
     opt_wait.append(s.opt_wait_s)
   eng.sync()
   cpu = cpu_report(cpu0, thread_cpu(), steps, labels)
+  machine = {k: (v - machine0[k]) / steps for k, v in machine_cpu().items()}
+  cpu += "; machine: " + ", ".join(f"{k} {v:.2f}" for k, v in machine.items() if v >= 0.005)
   log = eng.opt.log
   opt_busy = sum(e - s for _, s, e in log) / steps
   size = {g.name: g.layout.size for g in st.groups}
@@ -422,7 +436,7 @@ def main(argv=None):
           gpu_idle_frac=None if compute_s is None else max(0.0, 1 - compute_s / r["step_s"]),
           device_compute_s=compute_s, opt_busy_s=r["opt_busy_s"], opt_wait_s=r["opt_wait_s"],
           achieved_opt_gparams_per_s=r["opt_params"] / r["opt_busy_s"] / 1e9 if r["opt_busy_s"] else None,
-          loss=r["loss"], device_update_layers=c.engine.device_update_layers,
+          loss=r["loss"], device_update_layers=r["engine"].n_device,
           optim_threads=c.optim.threads, optim_chunk=c.optim.chunk, cpu_by_thread=r["cpu"]))
     elif system == "jax-all-gpu":
       try:

@@ -100,11 +100,11 @@ class EngineConfig:
   overlap: bool = True  # False runs every copy and update serially (the ablation)
   inflight_layers: int = 2  # layers the host may queue ahead of the device (bounds device memory)
   grad_queue: int = 4  # gradients awaiting the host optimizer before the device waits (bounds host buffers)
-  device_update_layers: int = 0  # last N layers of the backward (embedding, block 0, 1, ...) updated on the device, m and v streamed through it
+  device_update_layers: int | Literal["auto"] = 0  # last N layers of the backward (embedding, block 0, 1, ...) updated on the device, m and v streamed through it; auto: the planner picks
 
   def __post_init__(self):
     _positive(self, "loss_chunk", "inflight_layers", "grad_queue")
-    if self.device_update_layers < 0:
+    if self.device_update_layers != "auto" and self.device_update_layers < 0:
       raise ConfigError(f"engine.device_update_layers: {self.device_update_layers} must be >= 0")
     if self.micro_batch is not None and self.micro_batch <= 0:
       raise ConfigError(f"engine.micro_batch: {self.micro_batch} must be > 0 or null")
@@ -151,7 +151,7 @@ class Config:
     if mb is not None and self.train.batch % mb:
       raise ConfigError(f"engine.micro_batch: {mb} does not divide train.batch ({self.train.batch})")
     groups = self.model.layers + 2
-    if self.engine.device_update_layers > groups:
+    if self.engine.device_update_layers != "auto" and self.engine.device_update_layers > groups:
       raise ConfigError(f"engine.device_update_layers: {self.engine.device_update_layers} exceeds the "
                         f"{groups} layer groups (embedding, {self.model.layers} blocks, head)")
 

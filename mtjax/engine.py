@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from mtjax import model
+from mtjax import model, plan as plan_lib
 from mtjax.config import Config, ModelConfig
 from mtjax.data import Batch
 from mtjax.optimizer import HostOptimizer, adamw_on_device, clip_scale
@@ -193,6 +193,9 @@ class Engine:
     # their moments cross the link (pinned buffers, so by DMA) and their updated weights stay on
     # the device for the next forward, which needs exactly these layers first.
     self.n_device = e.device_update_layers
+    if self.n_device == "auto":
+      self.n_device = plan_lib.resolve(cfg, plan_lib.device_memory_limit(self.device)
+                                       ).engine.device_update_layers
     for g in state.groups[:self.n_device]:
       g.pin(self.device, ("m", "v"))
     self._device_adamw = jax.jit(adamw_on_device, static_argnums=(6,), donate_argnums=(0, 1, 2))

@@ -33,7 +33,7 @@ def check_fits(cfg: config_lib.Config) -> plan_lib.Plan:
   plan = plan_lib.make(cfg, host_limit=plan_lib.host_memory_limit())
   plan_lib.check(plan)
   plan_lib.configure_pinned_pool(plan)
-  plan = dataclasses.replace(plan, device_limit=plan_lib.device_memory_limit(jax.devices()[0]))
+  plan = plan_lib.make(cfg, plan.host_limit, plan_lib.device_memory_limit(jax.devices()[0]))
   plan_lib.check(plan)
   return plan
 
@@ -41,6 +41,7 @@ def check_fits(cfg: config_lib.Config) -> plan_lib.Plan:
 def run(cfg: config_lib.Config, progress: bool = True) -> dict:
   """Trains for cfg.train.steps steps and returns a summary of the run."""
   plan = check_fits(cfg)
+  cfg = plan_lib.resolve(cfg, plan.device_limit)
   device = jax.devices()[0]
   init_key = jax.random.key(cfg.train.seed)  # the only key: data is seeded from train.seed by step
   t0 = time.perf_counter()
@@ -95,6 +96,8 @@ def run(cfg: config_lib.Config, progress: bool = True) -> dict:
       "plan_host_gib": plan.host_total / 2**30,
       "plan_device_gib": plan.device_total / 2**30,
       "plan_step_s": plan.predicted_step_s,
+      "plan_schedule_s": plan.schedule_s,
+      "device_update_layers": plan.device_update_layers,
       "device": str(device),
       "jax": jax.__version__,
   }
@@ -109,7 +112,8 @@ def format_summary(s: dict) -> str:
           f"first), {s['model_tflops']:.2f} model TFLOP/s | host state "
           f"{s['host_state_bytes_per_param']:.2f} B/param, peak RSS {s['peak_rss_gib']:.2f} GiB | "
           f"device peak {dev} | plan: host {s['plan_host_gib']:.2f} GiB, device "
-          f"{s['plan_device_gib']:.2f} GiB, step >= {s['plan_step_s']:.3f} s")
+          f"{s['plan_device_gib']:.2f} GiB, step >= {s['plan_step_s']:.3f} s (schedule "
+          f"{s['plan_schedule_s']:.3f} s, {s['device_update_layers']} device-updated groups)")
 
 
 def main(argv: list[str] | None = None) -> int:

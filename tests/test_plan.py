@@ -87,3 +87,59 @@ def test_plan_cli_and_train_cli_refusal():
                       "model.layers=2000000"], capture_output=True, text=True)
   assert r.returncode == 2
   assert r.stderr.startswith("refused: does not fit in host memory") and r.stderr.count("\n") == 1
+
+
+LAYERS = [plan.Layer(100, 0.0, 0.0, 0)] + [plan.Layer(300, 0.002, 0.006, 50)] * 3 + [
+    plan.Layer(200, 0.004, 0.0, 0)]
+RATES = plan.Rates(h2d_gbps=1e-6, d2h_gbps=2e-6, host_adamw_gparams=5e-7)  # 1000 B/s, 2000 B/s, 500 param/s
+
+
+@given(k=hst.integers(0, 5))
+def test_serial_schedule_is_the_sum_of_its_items(k):
+  # Reference: every copy, kernel and update of one step, added up by hand.
+  h2d, d2h = 1e3, 2e3
+  total = 0.0
+  for g, lay in enumerate(LAYERS):
+    total += lay.fwd_s + lay.bwd_s + lay.checkpoint_bytes / d2h  # kernels, saved input out
+    if g < k:  # resident weights: only the moments come in
+      total += 8 * lay.params / h2d + 12 * lay.params / d2h
+    else:
+      back = 4 * lay.params if 0 < g < len(LAYERS) - 1 else 0  # embedding and head need none
+      total += (4 * lay.params + back) / h2d + 4 * lay.params / d2h + lay.params / 500
+    if 0 < g < len(LAYERS) - 1:
+      total += lay.checkpoint_bytes / h2d  # saved input back in for the backward
+  assert plan.simulate(LAYERS, k, RATES, overlap=False) == pytest.approx(total, rel=1e-9)
+
+
+@given(k=hst.integers(0, 5), inflight=hst.integers(1, 3), queue=hst.integers(1, 4))
+def test_overlapped_schedule_lies_between_its_busiest_lane_and_the_serial_sum(k, inflight, queue):
+  step = plan.simulate(LAYERS, k, RATES, inflight, queue)
+  host = sum(lay.params for lay in LAYERS[k:]) / 500
+  compute = sum(lay.fwd_s + lay.bwd_s for lay in LAYERS)
+  assert max(host, compute) <= step * (1 + 1e-9)
+  assert step <= plan.simulate(LAYERS, k, RATES, inflight, queue, overlap=False)
+
+
+def test_planner_picks_device_updates_only_where_they_pay_and_fit():
+  cfg = config.load(CONFIGS / "llama_3b.yaml")
+  # With a link and a host optimizer far faster than the device, nothing is won: all stays on the host.
+  fast_host = plan.Rates(h2d_gbps=1e4, d2h_gbps=1e4, host_adamw_gparams=1e3)
+  assert plan.choose_device_updates(cfg, rates=fast_host) == 0
+  slow_host = plan.Rates(host_adamw_gparams=0.5)
+  everything = plan.choose_device_updates(cfg, rates=slow_host)
+  assert everything > cfg.model.layers // 2
+  six = config.load(CONFIGS / "llama_3b.yaml", ["engine.device_update_layers=6"])
+  limit = plan.make(six).device_total  # room for six device-updated groups, no more
+  k = plan.choose_device_updates(cfg, device_limit=limit, rates=slow_host)
+  assert k == 6
+  auto = config.load(CONFIGS / "llama_3b.yaml", ["engine.device_update_layers=auto"])
+  chosen = plan.make(auto, device_limit=limit, rates=slow_host)
+  assert chosen.device_update_layers == k and chosen.fits_device
+  assert plan.resolve(auto, limit, slow_host).engine.device_update_layers == k
+
+
+def test_device_update_layers_accepts_auto_and_refuses_other_words():
+  assert config.load(CONFIGS / "tiny.yaml", ["engine.device_update_layers=auto"]
+                     ).engine.device_update_layers == "auto"
+  with pytest.raises(config.ConfigError, match="engine.device_update_layers"):
+    config.load(CONFIGS / "tiny.yaml", ["engine.device_update_layers=most"])
