@@ -194,12 +194,13 @@ class Engine:
     # the device for the next forward, which needs exactly these layers first.
     self.n_device = e.device_update_layers
     if self.n_device == "auto":
-      self.n_device = plan_lib.resolve(cfg, plan_lib.device_memory_limit(self.device)
-                                       ).engine.device_update_layers
+      self.n_device = plan_lib.choose_device_updates(
+          cfg, plan_lib.device_memory_limit(self.device), host_limit=plan_lib.host_memory_limit())
     for g in state.groups[:self.n_device]:
       g.pin(self.device, ("m", "v"))
     self._device_adamw = jax.jit(adamw_on_device, static_argnums=(6,), donate_argnums=(0, 1, 2))
     self._resident: dict[int, jax.Array] = {}  # group -> its current fp32 weights on the device
+    self._stale: set[int] = set()  # groups whose host w lags the device's until sync()
     self._resident_version = state.version
     self._moments: dict[int, tuple] = {}  # group -> (m, v) on the device, prefetched
     self.tracer = None  # benchmarks set an object with .issued(lane, group, phase, array)
@@ -259,8 +260,11 @@ class Engine:
       w, m, v = self._device_adamw(w, m, v, g, self.opt.hyper(self.state.step), np.float32(scale),
                                    group.layout.n_decay)
       self._resident[idx] = w
-      group.swap(w=self._to_host(w), m=self._to_host(m), v=self._to_host(v))
-      self._trace("d2h", idx, group.w)
+      # The device's copy of w is the current one: the host copy is refreshed by sync(), not every
+      # step, so only the moments cross back (8 B/param, not 12).
+      self._stale.add(idx)
+      group.swap(m=self._to_host(m), v=self._to_host(v))
+      self._trace("d2h", idx, group.v)
       return
     g_host = self._to_host(g)
     self._trace("d2h", idx, g_host)
@@ -407,12 +411,20 @@ class Engine:
     """Drops device copies of weights that were overwritten on the host (HostState.load_tree)."""
     if self.state.version != self._resident_version:
       self._resident.clear()
+      self._stale.clear()  # the host's new weights win over the device's
       self._resident_version = self.state.version
 
   def sync(self):
-    """Waits for every queued update and copy: afterwards the host state is the post-step state."""
+    """Waits for every queued update and copy and brings device-updated weights back: afterwards
+    the host state is the post-step state (call it before reading or saving the state)."""
     self.opt.wait_all()
+    self._check_resident()
+    for idx in sorted(self._stale):
+      self.state.groups[idx].swap(w=self._to_host(self._resident[idx]))
+    self._stale.clear()
     jax.block_until_ready([(g.w, g.m, g.v) for g in self.state.groups[:self.n_device]])
 
   def close(self):
+    """Syncs the host state, then stops the optimizer thread."""
+    self.sync()
     self.opt.close()

@@ -16,7 +16,16 @@ import sys
 from mtjax import config as config_lib
 
 GiB = 2**30
-RUNTIME_HOST_BYTES = 3 * GiB  # Python, jax/XLA, the CUDA runtime and compiled code: a measured allowance
+# Python, jax/XLA, the CUDA runtime and compiled code: measured on the H200 box (7B and 9B runs:
+# peak RSS minus the other items was 3.5-6.4 GiB), so the plan errs high by up to 3 GiB.
+RUNTIME_HOST_BYTES = 6.5 * GiB
+
+
+def pinned_pool_bytes(pinned: int) -> int:
+  """The cap mtjax gives XLA's pinned host pool for `pinned` bytes of pinned buffers. The pool grows
+  in doubling regions up to its cap, so a run that pins more than half of it ends up holding it all:
+  10% plus 2 GiB of headroom against fragmentation."""
+  return math.ceil((pinned * 1.1 + 2 * GiB) / GiB) * GiB
 
 
 class PlanError(RuntimeError):
@@ -39,7 +48,11 @@ class Rates:
   matmul_tflops: float = 600.0  # bf16 dense matmul through jax.jit
   h2d_gbps: float = 53.0  # pinned host -> device
   d2h_gbps: float = 53.0  # device -> pinned host
-  host_adamw_gparams: float = 2.0  # fused in-place AdamW inside a step, 16 cores (1.8-2.1 measured; 2.7-3.9 alone)
+  host_adamw_gparams: float = 3.2  # fused in-place AdamW alone, 16 cores (2.7-3.9 measured): the roofline's
+  # The same loop inside a training step: 1.06 Gparam/s measured at batch 32, 1.94 at batch 8 (it
+  # slows while the device computes and copies). The schedule takes the lower figure: choosing too
+  # few device-side updates costs far more than too many, so its step errs long at small batches.
+  host_adamw_in_step_gparams: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,29 +97,29 @@ def make(cfg: config_lib.Config, host_limit: int | None = None, device_limit: in
   """The plan of `cfg`; `engine.device_update_layers: auto` is resolved here (see `choose`)."""
   n_dev = cfg.engine.device_update_layers
   if n_dev == "auto":
-    n_dev = choose_device_updates(cfg, device_limit, rates)
+    n_dev = choose_device_updates(cfg, device_limit, rates, host_limit)
   return _make(cfg, n_dev, host_limit, device_limit, rates)
 
 
-def resolve(cfg: config_lib.Config, device_limit: int | None = None,
-            rates: Rates = Rates()) -> config_lib.Config:
+def resolve(cfg: config_lib.Config, device_limit: int | None = None, rates: Rates = Rates(),
+            host_limit: int | None = None) -> config_lib.Config:
   """`cfg` with `engine.device_update_layers: auto` replaced by the planner's choice."""
   if cfg.engine.device_update_layers != "auto":
     return cfg
-  k = choose_device_updates(cfg, device_limit, rates)
+  k = choose_device_updates(cfg, device_limit, rates, host_limit)
   return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, device_update_layers=k))
 
 
 def choose_device_updates(cfg: config_lib.Config, device_limit: int | None = None,
-                          rates: Rates = Rates()) -> int:
+                          rates: Rates = Rates(), host_limit: int | None = None) -> int:
   """How many of the backward's last layer groups to update on the device: the count whose
-  simulated step (`simulate`) is shortest among those that fit the device, preferring fewer
-  (less device memory) within 2%."""
+  simulated step (`simulate`) is shortest among those that fit the device and the host (pinned
+  moments enlarge the pinned pool), preferring fewer (less device memory) within 2%."""
   best, best_s = 0, None
   for k in range(cfg.model.layers + 3):
-    plan = _make(cfg, k, None, device_limit, rates)
-    if not plan.fits_device:
-      break  # device bytes grow with k
+    plan = _make(cfg, k, host_limit, device_limit, rates)
+    if k and not (plan.fits_device and plan.fits_host):
+      break  # device bytes and the pinned pool grow with k
     if best_s is None or plan.schedule_s < best_s * 0.98:
       best, best_s = k, plan.schedule_s
   return best
@@ -138,6 +151,7 @@ def _make(cfg: config_lib.Config, n_dev: int, host_limit: int | None, device_lim
   pinned = (host["master weights"] + moments_pinned + host["gradients in flight"]
             + host["clip gradient buffer"] + host["device-update staging"]
             + host["activation checkpoints"])
+  host["pinned pool headroom"] = pinned_pool_bytes(pinned) - pinned
 
   mb = e.micro_batch or t.batch
   D, F, V = m.hidden, m.ffn, m.vocab_size
@@ -171,7 +185,7 @@ def _make(cfg: config_lib.Config, n_dev: int, host_limit: int | None, device_lim
   step_s = {
       "compute": hw_flops / (rates.matmul_tflops * 1e12),
       "host->device": h2d / (rates.h2d_gbps * 1e9),
-      "device->host": (4 * host_updated + 12 * tail + ckpt_link) / (rates.d2h_gbps * 1e9),
+      "device->host": (4 * host_updated + 8 * tail + ckpt_link) / (rates.d2h_gbps * 1e9),
       "host optimizer": host_updated / (rates.host_adamw_gparams * 1e9),
   }
   block_fwd = (2 * block_matmul * tokens + 4 * t.batch * t.seq**2 * H * hd * causal) / (
@@ -206,7 +220,7 @@ def simulate(layers: list[Layer], n_device: int, rates: Rates, inflight: int = 2
   updates are queued. Without overlap every item runs alone. Steady state: the last step's length.
   """
   h2d_rate, d2h_rate = rates.h2d_gbps * 1e9, rates.d2h_gbps * 1e9
-  opt_rate = rates.host_adamw_gparams * 1e9
+  opt_rate = rates.host_adamw_in_step_gparams * 1e9
   n = len(layers)
   free = {"h2d": 0.0, "compute": 0.0, "d2h": 0.0, "opt": 0.0}
   updated = [0.0] * n  # when group g's last update finished
@@ -247,8 +261,8 @@ def simulate(layers: list[Layer], n_device: int, rates: Rates, inflight: int = 2
         arrived = run("h2d", gate, nbytes / h2d_rate)
         computed = run("compute", max(arrived, gate), lay.bwd_s)
       bwd_done[g] = computed
-      if g < n_device:  # w, m, v go back; the device's new weights serve the next forward
-        run("d2h", computed, 12 * lay.params / d2h_rate)
+      if g < n_device:  # m and v go back; the device's new weights stay for the next forward
+        run("d2h", computed, 8 * lay.params / d2h_rate)
         updated[g] = computed
       else:
         landed = run("d2h", computed, 4 * lay.params / d2h_rate)
@@ -279,8 +293,7 @@ def configure_pinned_pool(plan: Plan) -> None:
   """Caps XLA's pinned host pool near what the run pins. The pool grows in doubling regions up to
   its cap, so a loose cap can pin up to twice what is used; a user's own setting wins. Must run
   before the jax backend starts."""
-  gb = math.ceil((plan.pinned * 1.1 + 2 * GiB) / GiB)
-  os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(gb))
+  os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(pinned_pool_bytes(plan.pinned) // GiB))
 
 
 def check(plan: Plan) -> None:

@@ -41,7 +41,9 @@ def check_fits(cfg: config_lib.Config) -> plan_lib.Plan:
 def run(cfg: config_lib.Config, progress: bool = True) -> dict:
   """Trains for cfg.train.steps steps and returns a summary of the run."""
   plan = check_fits(cfg)
-  cfg = plan_lib.resolve(cfg, plan.device_limit)
+  if cfg.engine.device_update_layers == "auto":  # the plan's choice, made within both limits
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(
+        cfg.engine, device_update_layers=plan.device_update_layers))
   device = jax.devices()[0]
   init_key = jax.random.key(cfg.train.seed)  # the only key: data is seeded from train.seed by step
   t0 = time.perf_counter()

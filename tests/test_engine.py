@@ -233,3 +233,22 @@ def test_bad_batch_is_refused_without_touching_state():
   chex.assert_trees_all_equal(st.to_tree(), before)
   assert st.step == 0
   eng.close()
+
+
+def test_device_updated_weights_reach_the_host_at_sync_and_loaded_weights_win():
+  cfg = make_cfg(engine_=dict(device_update_layers=3))
+  st, eng = new_engine(cfg)
+  eng.step(batch_for(cfg))
+  eng.sync()
+  synced = st.to_tree()
+  eng.step(batch_for(cfg, 1))
+  eng.opt.wait_all()  # host updates done; the device-updated groups' host weights still lag
+  assert np.array_equal(st.embed.w_np, st.embed.layout.flatten(synced["embed"]))
+  eng.sync()
+  assert not np.allclose(st.embed.w_np, st.embed.layout.flatten(synced["embed"]))
+  eng.step(batch_for(cfg, 2))
+  eng.opt.wait_all()
+  fresh = state_lib.create(cfg.model, jax.random.key(9)).to_tree()
+  st.load_tree(fresh)  # overwrites the host weights while the device holds newer ones
+  eng.close()  # syncs: the loaded weights must survive it
+  chex.assert_trees_all_equal(st.to_tree(), fresh)

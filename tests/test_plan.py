@@ -68,7 +68,7 @@ def test_run_that_cannot_fit_is_refused_before_allocation(monkeypatch):
   cfg = config.load(CONFIGS / "llama_7b.yaml")
   monkeypatch.setattr(plan, "host_memory_limit", lambda: 64 * 2**30)
   monkeypatch.setattr(state_lib, "create", lambda *a, **k: pytest.fail("allocated before refusing"))
-  with pytest.raises(plan.PlanError, match=r"host memory: needs 82\.\d GiB .* limit 64\.0 GiB"):
+  with pytest.raises(plan.PlanError, match=r"host memory: needs 91\.\d GiB .* limit 64\.0 GiB"):
     train.run(cfg, progress=False)
 
 
@@ -91,7 +91,7 @@ def test_plan_cli_and_train_cli_refusal():
 
 LAYERS = [plan.Layer(100, 0.0, 0.0, 0)] + [plan.Layer(300, 0.002, 0.006, 50)] * 3 + [
     plan.Layer(200, 0.004, 0.0, 0)]
-RATES = plan.Rates(h2d_gbps=1e-6, d2h_gbps=2e-6, host_adamw_gparams=5e-7)  # 1000 B/s, 2000 B/s, 500 param/s
+RATES = plan.Rates(h2d_gbps=1e-6, d2h_gbps=2e-6, host_adamw_in_step_gparams=5e-7)  # 1000 B/s, 2000 B/s, 500 param/s
 
 
 @given(k=hst.integers(0, 5))
@@ -102,7 +102,7 @@ def test_serial_schedule_is_the_sum_of_its_items(k):
   for g, lay in enumerate(LAYERS):
     total += lay.fwd_s + lay.bwd_s + lay.checkpoint_bytes / d2h  # kernels, saved input out
     if g < k:  # resident weights: only the moments come in
-      total += 8 * lay.params / h2d + 12 * lay.params / d2h
+      total += 8 * lay.params / h2d + 8 * lay.params / d2h  # moments in and out
     else:
       back = 4 * lay.params if 0 < g < len(LAYERS) - 1 else 0  # embedding and head need none
       total += (4 * lay.params + back) / h2d + 4 * lay.params / d2h + lay.params / 500
@@ -123,9 +123,9 @@ def test_overlapped_schedule_lies_between_its_busiest_lane_and_the_serial_sum(k,
 def test_planner_picks_device_updates_only_where_they_pay_and_fit():
   cfg = config.load(CONFIGS / "llama_3b.yaml")
   # With a link and a host optimizer far faster than the device, nothing is won: all stays on the host.
-  fast_host = plan.Rates(h2d_gbps=1e4, d2h_gbps=1e4, host_adamw_gparams=1e3)
+  fast_host = plan.Rates(h2d_gbps=1e4, d2h_gbps=1e4, host_adamw_in_step_gparams=1e3)
   assert plan.choose_device_updates(cfg, rates=fast_host) == 0
-  slow_host = plan.Rates(host_adamw_gparams=0.5)
+  slow_host = plan.Rates(host_adamw_in_step_gparams=0.5)
   everything = plan.choose_device_updates(cfg, rates=slow_host)
   assert everything > cfg.model.layers // 2
   six = config.load(CONFIGS / "llama_3b.yaml", ["engine.device_update_layers=6"])
@@ -136,6 +136,9 @@ def test_planner_picks_device_updates_only_where_they_pay_and_fit():
   chosen = plan.make(auto, device_limit=limit, rates=slow_host)
   assert chosen.device_update_layers == k and chosen.fits_device
   assert plan.resolve(auto, limit, slow_host).engine.device_update_layers == k
+  # Pinned moments enlarge the pinned pool: a host limit just above the all-host plan keeps them off.
+  tight = plan.make(cfg).host_total + 2**30
+  assert plan.make(auto, host_limit=tight, rates=slow_host).device_update_layers == 0
 
 
 def test_device_update_layers_accepts_auto_and_refuses_other_words():
