@@ -391,6 +391,7 @@ def main(argv=None):
   roof = {"flops_s": work["hw"] / (mm * 1e12), "h2d_s": pcie_h2d / (h2d * 1e9),
           "d2h_s": pcie_d2h / (d2h * 1e9), "host_opt_s": n / (opt_rate * 1e9)}
   roofline_s = max(roof.values())
+  measured = plan_lib.Rates(matmul_tflops=mm, h2d_gbps=h2d, d2h_gbps=d2h, host_adamw_gparams=opt_rate)
   base = {"params": n, "hidden": cfg.model.hidden, "layers": cfg.model.layers,
           "batch": cfg.train.batch, "seq": cfg.train.seq, "h2d_gbps": h2d, "d2h_gbps": d2h,
           "host_opt_gparams_per_s": opt_rate, "roofline_s": roofline_s, "matmul_tflops": mm,
@@ -429,6 +430,10 @@ def main(argv=None):
         timelines[system] = tl
       print(f"  {system}: CPU per step by thread: {r['cpu']}", flush=True)
       compute_s = device_compute_s(r["engine"], batches(0)) if system != "mtjax-serial" else None
+      # This configuration's own lower bound (device-side updates move work from host to link).
+      resolved = dataclasses.replace(c, engine=dataclasses.replace(
+          c.engine, device_update_layers=r["engine"].n_device))
+      own_roofline = plan_lib.make(resolved, rates=measured).predicted_step_s
       peak = device_peak_bytes(dev)
       records.append(record(
           system, r["step_s"], host_bytes_per_param=st.host_bytes() / n,
@@ -437,7 +442,8 @@ def main(argv=None):
           device_compute_s=compute_s, opt_busy_s=r["opt_busy_s"], opt_wait_s=r["opt_wait_s"],
           achieved_opt_gparams_per_s=r["opt_params"] / r["opt_busy_s"] / 1e9 if r["opt_busy_s"] else None,
           loss=r["loss"], device_update_layers=r["engine"].n_device,
-          optim_threads=c.optim.threads, optim_chunk=c.optim.chunk, cpu_by_thread=r["cpu"]))
+          optim_threads=c.optim.threads, optim_chunk=c.optim.chunk, cpu_by_thread=r["cpu"],
+          own_roofline_s=own_roofline))
     elif system == "jax-all-gpu":
       try:
         r = run_all_gpu(cfg, st, batches, args.warmup, args.steps, attention)
@@ -451,15 +457,17 @@ def main(argv=None):
 
   print()
   hdr = (f"{'system':<20}{'step s':>9}{'tokens/s':>11}{'model TF':>10}{'hw TF':>8}{'GPU idle':>10}"
-         f"{'dev GiB':>9}{'opt Gp/s':>10}")
+         f"{'dev GiB':>9}{'opt Gp/s':>10}{'own roof':>10}")
   print(hdr)
   for r in records:
     idle = r.get("gpu_idle_frac")
     peak = r.get("device_peak_gib")
     opt = r.get("achieved_opt_gparams_per_s")
+    own = r.get("own_roofline_s")
     print(f"{r['system']:<20}{r['step_s']:>9.3f}{r['tokens_per_s']:>11,.0f}{r['model_tflops']:>10.1f}"
           f"{r['hw_tflops']:>8.1f}{'' if idle is None else f'{idle:.1%}':>10}"
-          f"{'' if peak is None else f'{peak:.1f}':>9}{'' if not opt else f'{opt:.2f}':>10}")
+          f"{'' if peak is None else f'{peak:.1f}':>9}{'' if not opt else f'{opt:.2f}':>10}"
+          f"{'' if own is None else f'{own:.3f}':>10}")
   print("roofline terms (s): " + ", ".join(f"{k} {v:.3f}" for k, v in roof.items()))
 
   if args.out:
