@@ -373,8 +373,9 @@ def main(argv=None):
   print(f"{cfg.model.layers} layers x {cfg.model.hidden} hidden, {work['params'] / 1e9:.2f}B params, "
         f"batch {cfg.train.batch} x seq {cfg.train.seq}, attention {attention}, {dev}", flush=True)
 
-  mm = matmul_tflops(dev)
-  h2d, d2h = link_gbps(dev)
+  small = dev.platform == "cpu"  # the ceilings at GPU sizes would take minutes on a CPU
+  mm = matmul_tflops(dev, n=1024 if small else 8192)
+  h2d, d2h = link_gbps(dev, nbytes=64 * 2**20 if small else 2 * GiB)
   block_size = state_lib.layouts(cfg.model)["block"].size
   opt_rate = host_adamw_gparams(cfg.optim, max(block_size, 2**20))
   print(f"ceilings: bf16 matmul {mm:.0f} TFLOP/s, H2D {h2d:.1f} GB/s, D2H {d2h:.1f} GB/s, "

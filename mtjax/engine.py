@@ -227,6 +227,7 @@ class Engine:
     if idx < self.n_device and idx not in self._moments:
       g = self.state.groups[idx]
       self._moments[idx] = (self._to_device(g.m), self._to_device(g.v))
+      self._trace("h2d", idx, self._moments[idx][1])
 
   def _to_host(self, x):
     if self.on_host is None:
