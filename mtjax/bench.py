@@ -193,7 +193,8 @@ def run_engine(cfg, st, batches, warmup, steps, trace_path=None):
     eng.tracer = None
   eng.close()
   return {"step_s": statistics.median(times), "opt_wait_s": statistics.median(opt_wait),
-          "opt_busy_s": opt_busy, "opt_params": opt_params, "loss": s.loss, "engine": eng, "cpu": cpu}, timeline
+          "opt_busy_s": opt_busy, "opt_params": opt_params, "loss": s.loss, "engine": eng,
+          "cpu": cpu}, timeline
 
 
 def device_compute_s(eng: Engine, batch, reps=3) -> float:
@@ -392,7 +393,8 @@ def main(argv=None):
   roof = {"flops_s": work["hw"] / (mm * 1e12), "h2d_s": pcie_h2d / (h2d * 1e9),
           "d2h_s": pcie_d2h / (d2h * 1e9), "host_opt_s": n / (opt_rate * 1e9)}
   roofline_s = max(roof.values())
-  measured = plan_lib.Rates(matmul_tflops=mm, h2d_gbps=h2d, d2h_gbps=d2h, host_adamw_gparams=opt_rate)
+  measured = plan_lib.Rates(matmul_tflops=mm, h2d_gbps=h2d, d2h_gbps=d2h,
+                            host_adamw_gparams=opt_rate)
   base = {"params": n, "hidden": cfg.model.hidden, "layers": cfg.model.layers,
           "batch": cfg.train.batch, "seq": cfg.train.seq, "h2d_gbps": h2d, "d2h_gbps": d2h,
           "host_opt_gparams_per_s": opt_rate, "roofline_s": roofline_s, "matmul_tflops": mm,
@@ -441,7 +443,8 @@ def main(argv=None):
           device_peak_gib=None if peak is None else peak / GiB,
           gpu_idle_frac=None if compute_s is None else max(0.0, 1 - compute_s / r["step_s"]),
           device_compute_s=compute_s, opt_busy_s=r["opt_busy_s"], opt_wait_s=r["opt_wait_s"],
-          achieved_opt_gparams_per_s=r["opt_params"] / r["opt_busy_s"] / 1e9 if r["opt_busy_s"] else None,
+          achieved_opt_gparams_per_s=(r["opt_params"] / r["opt_busy_s"] / 1e9
+                                      if r["opt_busy_s"] else None),
           loss=r["loss"], device_update_layers=r["engine"].n_device,
           optim_threads=c.optim.threads, optim_chunk=c.optim.chunk, cpu_by_thread=r["cpu"],
           own_roofline_s=own_roofline))

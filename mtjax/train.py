@@ -99,6 +99,7 @@ def run(cfg: config_lib.Config, progress: bool = True) -> dict:
       "plan_device_gib": plan.device_total / 2**30,
       "plan_step_s": plan.predicted_step_s,
       "plan_schedule_s": plan.schedule_s,
+      "plan_schedule_best_s": plan.schedule_best_s,
       "device_update_layers": plan.device_update_layers,
       "device": str(device),
       "jax": jax.__version__,
@@ -115,7 +116,8 @@ def format_summary(s: dict) -> str:
           f"{s['host_state_bytes_per_param']:.2f} B/param, peak RSS {s['peak_rss_gib']:.2f} GiB | "
           f"device peak {dev} | plan: host {s['plan_host_gib']:.2f} GiB, device "
           f"{s['plan_device_gib']:.2f} GiB, step >= {s['plan_step_s']:.3f} s (schedule "
-          f"{s['plan_schedule_s']:.3f} s, {s['device_update_layers']} device-updated groups)")
+          f"{s['plan_schedule_best_s']:.3f}-{s['plan_schedule_s']:.3f} s, "
+          f"{s['device_update_layers']} device-updated groups)")
 
 
 def main(argv: list[str] | None = None) -> int:

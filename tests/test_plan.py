@@ -91,7 +91,8 @@ def test_plan_cli_and_train_cli_refusal():
 
 LAYERS = [plan.Layer(100, 0.0, 0.0, 0)] + [plan.Layer(300, 0.002, 0.006, 50)] * 3 + [
     plan.Layer(200, 0.004, 0.0, 0)]
-RATES = plan.Rates(h2d_gbps=1e-6, d2h_gbps=2e-6, host_adamw_in_step_gparams=5e-7)  # 1000 B/s, 2000 B/s, 500 param/s
+# 1000 B/s in, 2000 B/s out, 500 param/s on the host
+RATES = plan.Rates(h2d_gbps=1e-6, d2h_gbps=2e-6, host_adamw_in_step_gparams=5e-7)
 
 
 @given(k=hst.integers(0, 5))
