@@ -17,8 +17,10 @@ from mtjax import config as config_lib
 
 GiB = 2**30
 # Python, jax/XLA, the CUDA runtime and compiled code: measured on the H200 box (7B and 9B runs:
-# peak RSS minus the other items was 3.5-6.4 GiB), so the plan errs high by up to 3 GiB.
+# peak RSS minus the other items was 3.5-6.4 GiB), so the plan errs high by up to 3 GiB. Without an
+# accelerator (the CPU backend, no CUDA runtime, no pinned pool) a much smaller allowance.
 RUNTIME_HOST_BYTES = 6.5 * GiB
+RUNTIME_HOST_BYTES_CPU = 1 * GiB
 
 
 def pinned_pool_bytes(pinned: int) -> int:
@@ -55,6 +57,7 @@ class Rates:
   # few device-side updates costs far more than too many, so its step errs long at small batches.
   host_adamw_in_step_gparams: float = 1.0
   host_adamw_in_step_best_gparams: float = 2.0  # the batch-8 figure: the schedule's optimistic end
+  accelerator: bool = True  # False: the CPU backend runs the layers (no CUDA runtime, no pinned pool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,13 +153,13 @@ def _make(cfg: config_lib.Config, n_dev: int, host_limit: int | None, device_lim
       "clip gradient buffer": 4 * host_updated if (o.clip_norm and o.clip_mode == "host_buffer") else 0,
       "device-update staging": 12 * dev_largest * min(n_dev, 2),
       "activation checkpoints": L * checkpoint if e.checkpoints == "host" else 0,
-      "runtime": RUNTIME_HOST_BYTES,
+      "runtime": RUNTIME_HOST_BYTES if rates.accelerator else RUNTIME_HOST_BYTES_CPU,
   }
   moments_pinned = 8 * sum(sizes[:n_dev])
   pinned = (host["master weights"] + moments_pinned + host["gradients in flight"]
             + host["clip gradient buffer"] + host["device-update staging"]
             + host["activation checkpoints"])
-  host["pinned pool headroom"] = pinned_pool_bytes(pinned) - pinned
+  host["pinned pool headroom"] = pinned_pool_bytes(pinned) - pinned if rates.accelerator else 0
 
   mb = e.micro_batch or t.batch
   D, F, V = m.hidden, m.ffn, m.vocab_size
@@ -347,7 +350,9 @@ def main(argv=None) -> int:
   if not args.no_device:
     configure_pinned_pool(plan)
     import jax
-    plan = dataclasses.replace(plan, device_limit=device_memory_limit(jax.devices()[0]))
+    device = jax.devices()[0]
+    plan = make(cfg, plan.host_limit, device_memory_limit(device),
+                Rates(accelerator=device.platform != "cpu"))
   print(format_plan(plan))
   return 0 if plan.fits_host and plan.fits_device else 1
 

@@ -30,10 +30,11 @@ def device_peak_bytes(device) -> int | None:
 def check_fits(cfg: config_lib.Config) -> plan_lib.Plan:
   """Plans the run and refuses (PlanError) one that cannot fit, before anything is allocated; caps
   the pinned host pool to what the run pins when the jax backend has not started yet."""
-  plan = plan_lib.make(cfg, host_limit=plan_lib.host_memory_limit())
-  plan_lib.check(plan)
+  plan = plan_lib.make(cfg, host_limit=plan_lib.host_memory_limit())  # assumes an accelerator
   plan_lib.configure_pinned_pool(plan)
-  plan = plan_lib.make(cfg, plan.host_limit, plan_lib.device_memory_limit(jax.devices()[0]))
+  device = jax.devices()[0]
+  plan = plan_lib.make(cfg, plan.host_limit, plan_lib.device_memory_limit(device),
+                       plan_lib.Rates(accelerator=device.platform != "cpu"))
   plan_lib.check(plan)
   return plan
 

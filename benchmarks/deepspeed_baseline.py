@@ -1,0 +1,131 @@
+"""DeepSpeed ZeRO-3 CPU-offload baseline on an mtjax config's shape, for the bench table (issue 3).
+
+The same Llama shape through transformers' `LlamaForCausalLM`: fp32 parameters and AdamW state
+offloaded to (pinned) host memory, bf16 compute, activation checkpointing on, DeepSpeed's CPU Adam.
+Appends one record in `mtjax.bench`'s format (system `deepspeed-zero3-offload`) to --out.
+
+Needs torch, transformers and deepspeed (an optional extra, never a dependency of mtjax). DeepSpeed
+ships a source archive only: build a pure-Python wheel once with `bash benchmarks/deepspeed_wheels.sh`
+(DS_BUILD_OPS=0; its CPU Adam is compiled on the GPU machine at first use) and carry `.whl`:
+
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+  PYTHONPATH=/tmp/site:$PWD python3 benchmarks/deepspeed_baseline.py --config configs/llama_3b.yaml \\
+      --out benchmarks/results/h200.json [train.batch=32]
+
+Status: written against deepspeed 0.16 and transformers 4.x; not yet run on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from mtjax import config as config_lib, data, plan
+
+
+def ds_config(cfg: config_lib.Config) -> dict:
+  o, t = cfg.optim, cfg.train
+  return {
+      "train_micro_batch_size_per_gpu": t.batch,
+      "gradient_accumulation_steps": 1,
+      "bf16": {"enabled": cfg.engine.compute_dtype == "bfloat16"},
+      "zero_optimization": {
+          "stage": 3,
+          "offload_param": {"device": "cpu", "pin_memory": True},
+          "offload_optimizer": {"device": "cpu", "pin_memory": True},
+          "overlap_comm": True,
+          "contiguous_gradients": True,
+      },
+      "optimizer": {"type": "AdamW", "params": {"lr": o.lr, "betas": [o.b1, o.b2], "eps": o.eps,
+                                                "weight_decay": o.weight_decay}},
+      "gradient_clipping": o.clip_norm or 0.0,
+      "wall_clock_breakdown": False,
+  }
+
+
+def llama_config(m: config_lib.ModelConfig, seq: int):
+  from transformers import LlamaConfig
+  return LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.hidden, intermediate_size=m.ffn,
+                     num_hidden_layers=m.layers, num_attention_heads=m.heads,
+                     num_key_value_heads=m.n_kv_heads, head_dim=m.dim_per_head,
+                     max_position_embeddings=seq, rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta,
+                     tie_word_embeddings=m.tie_embeddings, attention_bias=m.qkv_bias,
+                     use_cache=False)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--warmup", type=int, default=2)
+  p.add_argument("--steps", type=int, default=4)
+  p.add_argument("--out", help="append the record to this JSON list")
+  args, cfg = config_lib.parse_cli(p, argv)
+  for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"),
+               ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+    os.environ.setdefault(k, v)
+  import deepspeed
+  import torch
+  from transformers import LlamaForCausalLM
+
+  m, t = cfg.model, cfg.train
+  deepspeed.init_distributed()
+  conf = ds_config(cfg)
+  with deepspeed.zero.Init(config_dict_or_path=conf):  # parameters go to host memory as built
+    model = LlamaForCausalLM._from_config(llama_config(m, t.seq), attn_implementation="sdpa",
+                                          torch_dtype=torch.float32)
+  model.gradient_checkpointing_enable()
+  engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
+  n_params = sum(getattr(q, "ds_numel", q.numel()) for q in model.parameters())
+  expected = plan.param_counts(m)["total"]
+  if n_params != expected:
+    print(f"warning: transformers' model has {n_params:,} parameters, mtjax's shape {expected:,}")
+
+  times, loss = [], float("nan")
+  for i in range(args.warmup + args.steps):
+    b = data.synthetic_batch(i, t.batch, t.seq, m.vocab_size, t.seed)
+    ids = torch.from_numpy(np.asarray(b.inputs, np.int64)).cuda()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = engine(input_ids=ids, labels=ids)  # transformers shifts the labels itself
+    engine.backward(out.loss)
+    engine.step()
+    loss = float(out.loss)
+    torch.cuda.synchronize()
+    if i >= args.warmup:
+      times.append(time.perf_counter() - t0)
+    print(f"step {i}: loss {loss:.4f}, {time.perf_counter() - t0:.3f} s", flush=True)
+
+  step_s = statistics.median(times)
+  tokens = t.batch * t.seq
+  rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  record = {
+      "system": "deepspeed-zero3-offload", "params": n_params, "hidden": m.hidden,
+      "layers": m.layers, "batch": t.batch, "seq": t.seq, "step_s": step_s,
+      "tokens_per_s": tokens / step_s, "model_tflops": 6 * n_params * tokens / step_s / 1e12,
+      "hw_tflops": None, "host_bytes_per_param": rss / n_params,  # peak RSS, not state alone
+      "device_peak_gib": torch.cuda.max_memory_allocated() / 2**30, "h2d_gbps": None,
+      "d2h_gbps": None, "host_opt_gparams_per_s": None, "gpu_idle_frac": None,
+      "roofline_s": None, "loss": loss, "jax_version": None, "torch_version": torch.__version__,
+      "deepspeed_version": deepspeed.__version__,
+  }
+  print(f"deepspeed-zero3-offload: {step_s:.3f} s/step, {tokens / step_s:,.0f} tokens/s, "
+        f"{record['model_tflops']:.1f} model TFLOP/s, peak RSS {rss / 2**30:.1f} GiB "
+        f"({record['host_bytes_per_param']:.1f} B/param), "
+        f"device peak {record['device_peak_gib']:.1f} GiB")
+  if args.out:
+    path = Path(args.out)
+    old = json.loads(path.read_text()) if path.exists() else []
+    path.write_text(json.dumps(old + [record], indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
