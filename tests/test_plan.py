@@ -112,13 +112,22 @@ def test_serial_schedule_is_the_sum_of_its_items(k):
   assert plan.simulate(LAYERS, k, RATES, overlap=False) == pytest.approx(total, rel=1e-9)
 
 
-@given(k=hst.integers(0, 5), inflight=hst.integers(1, 3), queue=hst.integers(1, 4))
-def test_overlapped_schedule_lies_between_its_busiest_lane_and_the_serial_sum(k, inflight, queue):
-  step = plan.simulate(LAYERS, k, RATES, inflight, queue)
+@pytest.mark.parametrize("k", range(6))
+@pytest.mark.parametrize("in_out", [(1e3, 2e3), (4e3, 500.0)])  # link bytes/s each way
+@given(inflight=hst.integers(1, 3), queue=hst.integers(1, 4))
+def test_overlapped_schedule_lies_between_its_busiest_lane_and_the_serial_sum(k, in_out, inflight,
+                                                                             queue):
+  rates = plan.Rates(h2d_gbps=in_out[0] / 1e9, d2h_gbps=in_out[1] / 1e9,
+                     host_adamw_in_step_gparams=5e-7)
+  step = plan.simulate(LAYERS, k, rates, inflight, queue)
   host = sum(lay.params for lay in LAYERS[k:]) / 500
   compute = sum(lay.fwd_s + lay.bwd_s for lay in LAYERS)
-  assert max(host, compute) <= step * (1 + 1e-9)
-  assert step <= plan.simulate(LAYERS, k, RATES, inflight, queue, overlap=False)
+  # Every step moves these bytes each way (see the serial test for the items).
+  out = sum((8 if g < k else 4) * lay.params + lay.checkpoint_bytes for g, lay in enumerate(LAYERS))
+  inward = sum(8 * lay.params if g < k else 4 * lay.params * (1 + (0 < g < len(LAYERS) - 1))
+               for g, lay in enumerate(LAYERS)) + sum(lay.checkpoint_bytes for lay in LAYERS)
+  assert max(host, compute, out / in_out[1], inward / in_out[0]) <= step * (1 + 1e-9)
+  assert step <= plan.simulate(LAYERS, k, rates, inflight, queue, overlap=False)
 
 
 def test_planner_picks_device_updates_only_where_they_pay_and_fit():
