@@ -386,15 +386,11 @@ def main(argv=None):
   n = st.n_params
   batches = lambda i: data.synthetic_batch(i, cfg.train.batch, cfg.train.seq,
                                            cfg.model.vocab_size, cfg.train.seed)
-  ckpt_bytes = (cfg.train.batch * cfg.train.seq * cfg.model.hidden * cfg.model.layers
-                * (2 if cfg.engine.compute_dtype == "bfloat16" else 4)
-                if cfg.engine.checkpoints == "host" else 0)
-  pcie_h2d, pcie_d2h = 8 * n + ckpt_bytes, 4 * n + ckpt_bytes
-  roof = {"flops_s": work["hw"] / (mm * 1e12), "h2d_s": pcie_h2d / (h2d * 1e9),
-          "d2h_s": pcie_d2h / (d2h * 1e9), "host_opt_s": n / (opt_rate * 1e9)}
-  roofline_s = max(roof.values())
+  # The roofline is the planner's, with this machine's rates measured above.
   measured = plan_lib.Rates(matmul_tflops=mm, h2d_gbps=h2d, d2h_gbps=d2h,
                             host_adamw_gparams=opt_rate)
+  roof = plan_lib.make(cfg, rates=measured).step_s
+  roofline_s = max(roof.values())
   base = {"params": n, "hidden": cfg.model.hidden, "layers": cfg.model.layers,
           "batch": cfg.train.batch, "seq": cfg.train.seq, "h2d_gbps": h2d, "d2h_gbps": d2h,
           "host_opt_gparams_per_s": opt_rate, "roofline_s": roofline_s, "matmul_tflops": mm,
@@ -434,9 +430,8 @@ def main(argv=None):
       print(f"  {system}: CPU per step by thread: {r['cpu']}", flush=True)
       compute_s = device_compute_s(r["engine"], batches(0)) if system != "mtjax-serial" else None
       # This configuration's own lower bound (device-side updates move work from host to link).
-      resolved = dataclasses.replace(c, engine=dataclasses.replace(
-          c.engine, device_update_layers=r["engine"].n_device))
-      own_roofline = plan_lib.make(resolved, rates=measured).predicted_step_s
+      own_roofline = plan_lib.make(dataclasses.replace(c, engine=dataclasses.replace(
+          c.engine, device_update_layers=r["engine"].n_device)), rates=measured).predicted_step_s
       peak = device_peak_bytes(dev)
       records.append(record(
           system, r["step_s"], host_bytes_per_param=st.host_bytes() / n,
@@ -456,7 +451,7 @@ def main(argv=None):
       except Exception as e:  # noqa: BLE001 - a shape that does not fit is a result, not a crash
         print(f"jax-all-gpu: did not run ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
     elif system == "roofline":
-      records.append(record(system, roofline_s, **{f"roofline_{k}": v for k, v in roof.items()}))
+      records.append(record(system, roofline_s, **{f"roofline_{k}_s": v for k, v in roof.items()}))
     print(f"  {records[-1]['system'] if records else system}: done", flush=True)
 
   print()

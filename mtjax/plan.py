@@ -100,20 +100,11 @@ class Plan:
 
 def make(cfg: config_lib.Config, host_limit: int | None = None, device_limit: int | None = None,
          rates: Rates = Rates()) -> Plan:
-  """The plan of `cfg`; `engine.device_update_layers: auto` is resolved here (see `choose`)."""
+  """The plan of `cfg`; `engine.device_update_layers: auto` is resolved here (see `choose_device_updates`)."""
   n_dev = cfg.engine.device_update_layers
   if n_dev == "auto":
     n_dev = choose_device_updates(cfg, device_limit, rates, host_limit)
   return _make(cfg, n_dev, host_limit, device_limit, rates)
-
-
-def resolve(cfg: config_lib.Config, device_limit: int | None = None, rates: Rates = Rates(),
-            host_limit: int | None = None) -> config_lib.Config:
-  """`cfg` with `engine.device_update_layers: auto` replaced by the planner's choice."""
-  if cfg.engine.device_update_layers != "auto":
-    return cfg
-  k = choose_device_updates(cfg, device_limit, rates, host_limit)
-  return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, device_update_layers=k))
 
 
 def choose_device_updates(cfg: config_lib.Config, device_limit: int | None = None,

@@ -28,6 +28,7 @@ def test_bench_runs_every_system_and_records_the_fields(tmp_path, capsys):
   assert isinstance(records[1]["device_update_layers"], int)  # auto resolved by the planner
   roof = records[-1]
   terms = [v for k, v in roof.items() if k.startswith("roofline_") and k != "roofline_s"]
+  assert len(terms) == 4  # compute, both link directions, host optimizer
   assert roof["step_s"] == max(terms)
   assert "roofline terms" in capsys.readouterr().out
 
