@@ -12,7 +12,8 @@ ships a source archive only: build a pure-Python wheel once with `bash benchmark
   PYTHONPATH=/tmp/site:$PWD python3 benchmarks/deepspeed_baseline.py --config configs/llama_3b.yaml \\
       --out benchmarks/results/h200.json [train.batch=32]
 
-Status: written against deepspeed 0.16 and transformers 4.x; not yet run on the GPU machine.
+--optimizer torch swaps DeepSpeed's compiled CPU Adam for torch's fused CPU AdamW (same ZeRO-3
+offload otherwise), for an image where the CPU Adam extension cannot be built.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def llama_config(m: config_lib.ModelConfig, seq: int):
                      num_key_value_heads=m.n_kv_heads, head_dim=m.dim_per_head,
                      max_position_embeddings=seq, rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta,
                      tie_word_embeddings=m.tie_embeddings, attention_bias=m.qkv_bias,
-                     use_cache=False)
+                     use_cache=False, attn_implementation="sdpa")
 
 
 def main(argv=None) -> int:
@@ -67,6 +68,8 @@ def main(argv=None) -> int:
   p.add_argument("--warmup", type=int, default=2)
   p.add_argument("--steps", type=int, default=4)
   p.add_argument("--out", help="append the record to this JSON list")
+  p.add_argument("--optimizer", choices=("ds", "torch"), default="ds",
+                 help="ds: DeepSpeedCPUAdam (compiled at first use); torch: torch.optim.AdamW(fused)")
   args, cfg = config_lib.parse_cli(p, argv)
   for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"),
                ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
@@ -78,11 +81,22 @@ def main(argv=None) -> int:
   m, t = cfg.model, cfg.train
   deepspeed.init_distributed()
   conf = ds_config(cfg)
+  if args.optimizer == "torch":
+    del conf["optimizer"]
+    conf["zero_force_ds_cpu_optimizer"] = False
+  torch.set_default_dtype(torch.float32)
   with deepspeed.zero.Init(config_dict_or_path=conf):  # parameters go to host memory as built
-    model = LlamaForCausalLM._from_config(llama_config(m, t.seq), attn_implementation="sdpa",
-                                          torch_dtype=torch.float32)
+    model = LlamaForCausalLM(llama_config(m, t.seq))
   model.gradient_checkpointing_enable()
-  engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
+  client_opt = None
+  if args.optimizer == "torch":
+    o = cfg.optim
+    client_opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.b1, o.b2), eps=o.eps,
+                                   weight_decay=o.weight_decay, fused=True)
+  engine, optimizer, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               optimizer=client_opt, config=conf)
+  print(f"deepspeed {deepspeed.__version__}, torch {torch.__version__}, optimizer "
+        f"{type(getattr(optimizer, 'optimizer', optimizer)).__name__}", flush=True)
   n_params = sum(getattr(q, "ds_numel", q.numel()) for q in model.parameters())
   expected = plan.param_counts(m)["total"]
   if n_params != expected:
@@ -115,6 +129,7 @@ def main(argv=None) -> int:
       "d2h_gbps": None, "host_opt_gparams_per_s": None, "gpu_idle_frac": None,
       "roofline_s": None, "loss": loss, "jax_version": None, "torch_version": torch.__version__,
       "deepspeed_version": deepspeed.__version__,
+      "optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
   }
   print(f"deepspeed-zero3-offload: {step_s:.3f} s/step, {tokens / step_s:,.0f} tokens/s, "
         f"{record['model_tflops']:.1f} model TFLOP/s, peak RSS {rss / 2**30:.1f} GiB "
