@@ -16,13 +16,13 @@ SYSTEMS=mtjax,mtjax-serial,jax-all-gpu,roofline
 timeout 270 python3 -m mtjax.bench --config configs/llama_3b.yaml --warmup 1 --steps 3 \
   --systems $SYSTEMS --out $OUT/h200.json --timeline /tmp/tl/b$BATCH.png \
   --variant "auto:engine.device_update_layers=auto" train.batch=$BATCH 2>&1 | quiet | tee $LOG
-tar cf $OUT/timelines_b$BATCH.tar -C /tmp/tl .
+tar cf $OUT/timelines_b$BATCH.tar -C /tmp/tl b$BATCH.png b${BATCH}_auto.png
 if ls .whl/deepspeed-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -2
   for opt in ds torch; do
     echo "== deepspeed, optimizer $opt" | tee -a $LOG
     PYTHONPATH=/tmp/site:$PWD timeout 300 python3 benchmarks/deepspeed_baseline.py \
-      --config configs/llama_3b.yaml --warmup 1 --steps 3 --optimizer $opt --out $OUT/h200.json \
+      --config configs/llama_3b.yaml --warmup 2 --steps 4 --optimizer $opt --out $OUT/h200.json \
       train.batch=$BATCH > $OUT/deepspeed_b${BATCH}_$opt.log 2>&1
     rc=$?
     grep -v "^\[" $OUT/deepspeed_b${BATCH}_$opt.log | tail -25 | tee -a $LOG
