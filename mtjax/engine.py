@@ -390,7 +390,7 @@ class Engine:
       self._backward(saved, dx, tokens, g_head, g_table, weights,
                      lambda idx, g, s, w: self._apply(idx, g, scale, w))
 
-    lr = float(self.opt.schedule(st.step))
+    lr = float(self.opt.hyper(st.step)["lr"])
     st.step += 1
     loss = float(loss)
     return StepStats(st.step, loss, norm, lr, time.perf_counter() - t0, self._opt_wait, B * T)

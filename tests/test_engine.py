@@ -252,3 +252,21 @@ def test_device_updated_weights_reach_the_host_at_sync_and_loaded_weights_win():
   st.load_tree(fresh)  # overwrites the host weights while the device holds newer ones
   eng.close()  # syncs: the loaded weights must survive it
   chex.assert_trees_all_equal(st.to_tree(), fresh)
+
+
+@pytest.mark.parametrize("device_updates", [0, 2])
+def test_schedule_runs_on_the_cpu_once_per_step(device_updates):
+  # On the default device (the GPU) the schedule's tiny computation queues behind the layer being
+  # computed, so evaluating it per update made every host update wait for the device's work.
+  cfg = make_cfg(engine_={"device_update_layers": device_updates})
+  st, eng = new_engine(cfg)
+  seen, sched = [], eng.opt.schedule
+  def recording(step):
+    seen.append((step, jax.config.jax_default_device))
+    return sched(step)
+  eng.opt.schedule = recording
+  for step in range(3):
+    eng.step(batch_for(cfg, step))
+  eng.close()
+  assert [s for s, _ in seen] == [0, 1, 2]
+  assert all(d is not None and d.platform == "cpu" for _, d in seen), seen
