@@ -38,3 +38,14 @@ def test_bench_refuses_unknown_system_and_bad_variant(capsys):
   assert bench.main(["--config", str(TINY), "--variant", "x:engine.bogus=1"]) == 2
   err = capsys.readouterr().err
   assert "deepspeed" in err and "engine.bogus" in err
+
+
+def test_tracer_survives_an_array_donated_before_it_is_watched():
+  import jax.numpy as jnp
+  tracer = bench.Tracer()
+  gone, kept = jnp.ones(8), jnp.ones(8)
+  gone.delete()  # what a donating kernel does to its input
+  tracer.issued("h2d", 0, "bwd", gone)
+  tracer.issued("h2d", 1, "bwd", kept)  # the lane's watcher must still see this one
+  tracer.close()
+  assert [e[1] for e in tracer.events] == [0, 1]
