@@ -50,13 +50,13 @@ class Rates:
   matmul_tflops: float = 600.0  # bf16 dense matmul through jax.jit
   h2d_gbps: float = 53.0  # pinned host -> device
   d2h_gbps: float = 53.0  # device -> pinned host
-  # The fused in-place AdamW alone, 16 cores (2.7-3.9 Gparam/s measured): the roofline's figure.
-  host_adamw_gparams: float = 3.2
-  # The same loop inside a training step: 1.06 Gparam/s measured at batch 32, 1.94 at batch 8 (it
-  # slows while the device computes and copies). The schedule takes the lower figure: choosing too
-  # few device-side updates costs far more than too many, so its step errs long at small batches.
-  host_adamw_in_step_gparams: float = 1.0
-  host_adamw_in_step_best_gparams: float = 2.0  # the batch-8 figure: the schedule's optimistic end
+  # The fused in-place AdamW alone, 16 cores (4.4-5.6 Gparam/s measured): the roofline's figure.
+  host_adamw_gparams: float = 4.4
+  # The same loop inside a training step, beside the device's compute and copies: 4.17 Gparam/s
+  # measured at batch 8, 4.69 at batch 32 (benchmarks/results/record/). The schedule takes the
+  # lower figure, its optimistic end the higher.
+  host_adamw_in_step_gparams: float = 4.2
+  host_adamw_in_step_best_gparams: float = 4.7
   accelerator: bool = True  # False: the CPU backend runs the layers (no CUDA runtime, no pinned pool)
 
 
@@ -111,9 +111,10 @@ def choose_device_updates(cfg: config_lib.Config, device_limit: int | None = Non
                           rates: Rates = Rates(), host_limit: int | None = None) -> int:
   """How many of the backward's last layer groups to update on the device: among the counts that
   fit the device and leave 3% of the host spare (pinned moments enlarge the pinned pool), the
-  largest whose simulated step (`simulate`) is within 2% of the shortest. Largest, because the host
-  optimizer's speed inside a step varies with the device's load (1.0-2.0 Gparam/s measured) and the
-  device's does not: on the H200 every measured shape ran fastest with all groups on the device."""
+  largest whose simulated step (`simulate`) is within 2% of the shortest. Largest, because the
+  host optimizer shares the host's cores and memory bus with everything else the process does and
+  the device's update does not: on the H200 all groups on the device ran 22% faster than none at
+  batch 8 and tied at batch 32 (benchmarks/results/record/)."""
   times = {}
   for k in range(cfg.model.layers + 3):
     plan = _make(cfg, k, host_limit, device_limit, rates)
