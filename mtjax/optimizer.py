@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import threading
 import time
 
 import jax
@@ -69,7 +70,8 @@ class HostOptimizer:
     self._pending: dict[int, cf.Future] = {}
     self.log: list | None = None  # set to [] to record (group name, start, end) of every update
     self._cpu = jax.devices("cpu")[0]
-    self._hyper: tuple[int, dict] | None = None  # the last step's scalars
+    self._hyper: dict[int, dict] = {}  # the last two steps' scalars (the worker may lag a step)
+    self._hyper_lock = threading.Lock()  # the main thread (device updates) and the worker share it
     self._optax = None
     if cfg.impl == "optax":
       self._optax = _OptaxImpl(cfg, self.schedule)
@@ -80,18 +82,18 @@ class HostOptimizer:
     The schedule is a jax function: evaluated on the default device (the GPU) it would queue
     behind the layer being computed and make every update wait for it. So it runs on the CPU
     backend, once per step."""
-    cached = self._hyper
-    if cached is not None and cached[0] == step:
-      return cached[1]
-    c = self.cfg
-    t = step + 1
-    with jax.default_device(self._cpu):
-      lr = np.float32(self.schedule(step))
-    h = dict(lr=lr, b1=np.float32(c.b1), b2=np.float32(c.b2), eps=np.float32(c.eps),
-             wd=np.float32(c.weight_decay), bc1=np.float32(1 - c.b1 ** t),
-             bc2=np.float32(1 - c.b2 ** t))
-    self._hyper = (step, h)
-    return h
+    with self._hyper_lock:
+      h = self._hyper.get(step)
+      if h is None:
+        c = self.cfg
+        t = step + 1
+        with jax.default_device(self._cpu):
+          lr = np.float32(self.schedule(step))
+        h = dict(lr=lr, b1=np.float32(c.b1), b2=np.float32(c.b2), eps=np.float32(c.eps),
+                 wd=np.float32(c.weight_decay), bc1=np.float32(1 - c.b1 ** t),
+                 bc2=np.float32(1 - c.b2 ** t))
+        self._hyper = {s: v for s, v in self._hyper.items() if s == step - 1} | {step: h}
+      return h
 
   def update(self, group: Group, grad, step: int, scale: float = 1.0):
     """Applies update number `step` to `group` in place; `grad` is a host array (or a host jax
