@@ -27,6 +27,7 @@ class ModelConfig:
   ffn: int = 176  # SwiGLU inner width
   tie_embeddings: bool = False  # LM head reuses the token embedding table
   qkv_bias: bool = False  # bias on q/k/v projections (Qwen2)
+  qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
   rope_theta: float = 10000.0  # RoPE base
   rope_scaling: Literal["none", "linear", "llama3"] = "none"  # RoPE frequency scaling rule
   rope_factor: float = 1.0  # scaling factor for linear / llama3

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -35,12 +36,36 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
   return inv_freq
 
 
-def apply_rope(x_BxTxNxH: jax.Array, inv_freq: jax.Array) -> jax.Array:
+@flax.struct.dataclass
+class Ctx:
+  """Per-token context every layer is called with, beside its weights and activations.
+
+  `positions` feed RoPE (packed documents restart at 0); `segments` keep attention inside a
+  document (None: each row is one document). The per-token loss weights live with the head's
+  targets, not here: blocks never see them.
+  """
+  positions: jax.Array  # [B, T] int32
+  segments: jax.Array | None = None  # [B, T] int32 document ids, or None
+
+  @classmethod
+  def default(cls, B: int, T: int) -> "Ctx":
+    return cls(jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], (B, T)))
+
+  def micro(self, n: int) -> "Ctx":
+    """[B, T] -> [n, B/n, T] on every field, for lax.map / scan over micro-batches."""
+    split = lambda a: a.reshape((n, a.shape[0] // n) + a.shape[1:])
+    return jax.tree.map(split, self)
+
+
+def apply_rope(x_BxTxNxH: jax.Array, inv_freq: jax.Array, positions_BxT: jax.Array | None = None
+               ) -> jax.Array:
   """Rotates channel pairs (i, i + H/2) by position * frequency, computed in fp32."""
-  T = x_BxTxNxH.shape[1]
-  angles_TxH2 = jnp.arange(T, dtype=jnp.float32)[:, None] * inv_freq[None, :]
-  cos = jnp.cos(angles_TxH2)[None, :, None, :]
-  sin = jnp.sin(angles_TxH2)[None, :, None, :]
+  B, T = x_BxTxNxH.shape[:2]
+  if positions_BxT is None:
+    positions_BxT = jnp.broadcast_to(jnp.arange(T)[None, :], (B, T))
+  angles_BxTxH2 = positions_BxT.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
+  cos = jnp.cos(angles_BxTxH2)[:, :, None, :]
+  sin = jnp.sin(angles_BxTxH2)[:, :, None, :]
   x = x_BxTxNxH.astype(jnp.float32)
   x1, x2 = jnp.split(x, 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -67,17 +92,25 @@ class Attention(nn.Module):
   implementation: str | None = None
 
   @nn.compact
-  def __call__(self, x_BxTxD):
+  def __call__(self, x_BxTxD, ctx: Ctx | None = None):
     cfg = self.cfg
     B, T, _ = x_BxTxD.shape
+    ctx = Ctx.default(B, T) if ctx is None else ctx
     H, K, hd = cfg.heads, cfg.n_kv_heads, cfg.dim_per_head
     q = _dense(H * hd, "q", cfg.qkv_bias)(x_BxTxD).reshape(B, T, H, hd)
     k = _dense(K * hd, "k", cfg.qkv_bias)(x_BxTxD).reshape(B, T, K, hd)
     v = _dense(K * hd, "v", cfg.qkv_bias)(x_BxTxD).reshape(B, T, K, hd)
+    if cfg.qk_norm:  # Qwen3: RMSNorm over each head's channels, before RoPE
+      q = RMSNorm(cfg.norm_eps, name="q_norm")(q)
+      k = RMSNorm(cfg.norm_eps, name="k_norm")(k)
     inv_freq = rope_inv_freq(cfg)
-    q, k = apply_rope(q, inv_freq), apply_rope(k, inv_freq)
-    out_BxTxHxh = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                               implementation=self.implementation)
+    q, k = apply_rope(q, inv_freq, ctx.positions), apply_rope(k, inv_freq, ctx.positions)
+    mask, impl = None, self.implementation
+    if ctx.segments is not None:  # packed documents: no attention across a document boundary
+      mask = (ctx.segments[:, :, None] == ctx.segments[:, None, :])[:, None]
+      impl = "xla" if impl == "cudnn" else impl  # the fused kernel takes no arbitrary mask
+    out_BxTxHxh = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                               implementation=impl)
     return _dense(cfg.hidden, "o")(out_BxTxHxh.reshape(B, T, H * hd))
 
 
@@ -97,9 +130,9 @@ class Block(nn.Module):
   implementation: str | None = None
 
   @nn.compact
-  def __call__(self, x_BxTxD):
+  def __call__(self, x_BxTxD, ctx: Ctx | None = None):
     h = x_BxTxD + Attention(self.cfg, self.implementation, name="attn")(
-        RMSNorm(self.cfg.norm_eps, name="attn_norm")(x_BxTxD))
+        RMSNorm(self.cfg.norm_eps, name="attn_norm")(x_BxTxD), ctx)
     return h + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg.norm_eps, name="mlp_norm")(h))
 
 

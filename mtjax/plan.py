@@ -38,7 +38,8 @@ def param_counts(m: config_lib.ModelConfig) -> dict[str, int]:
   """Parameters of each layer kind, in closed form (tests hold it to the real layouts)."""
   D, F, hd = m.hidden, m.ffn, m.dim_per_head
   q, kv = m.heads * hd, m.n_kv_heads * hd
-  block = D * q + 2 * D * kv + q * D + 3 * D * F + 2 * D + (q + 2 * kv if m.qkv_bias else 0)
+  block = (D * q + 2 * D * kv + q * D + 3 * D * F + 2 * D + (q + 2 * kv if m.qkv_bias else 0)
+           + (2 * hd if m.qk_norm else 0))
   embed = m.vocab_size * D
   head = D + (0 if m.tie_embeddings else D * m.vocab_size)
   return {"embed": embed, "block": block, "head": head, "total": embed + m.layers * block + head}

@@ -38,12 +38,13 @@ def rotate_half(x):
   return jnp.concatenate([-x[..., h:], x[..., :h]], axis=-1)
 
 
-def rope(x, cfg):
-  T = x.shape[1]
-  freqs = np.outer(np.arange(T), inv_freq_np(cfg))
+def rope(x, cfg, positions=None):
+  B, T = x.shape[:2]
+  pos = np.broadcast_to(np.arange(T), (B, T)) if positions is None else np.asarray(positions)
+  freqs = pos[..., None].astype(np.float64) * inv_freq_np(cfg)
   emb = np.concatenate([freqs, freqs], axis=-1)
-  cos = jnp.asarray(np.cos(emb), jnp.float32)[None, :, None, :]
-  sin = jnp.asarray(np.sin(emb), jnp.float32)[None, :, None, :]
+  cos = jnp.asarray(np.cos(emb), jnp.float32)[:, :, None, :]
+  sin = jnp.asarray(np.sin(emb), jnp.float32)[:, :, None, :]
   xf = x.astype(jnp.float32)
   return (xf * cos + rotate_half(xf) * sin).astype(x.dtype)
 
@@ -61,42 +62,61 @@ def linear(x, p):
   return y
 
 
-def attention(x, p, cfg):
+def attention(x, p, cfg, positions=None, segments=None):
   B, T, _ = x.shape
   H, K, hd = cfg.heads, cfg.n_kv_heads, cfg.dim_per_head
-  q = rope(linear(x, p["q"]).reshape(B, T, H, hd), cfg)
-  k = rope(linear(x, p["k"]).reshape(B, T, K, hd), cfg)
+  q = linear(x, p["q"]).reshape(B, T, H, hd)
+  k = linear(x, p["k"]).reshape(B, T, K, hd)
+  if getattr(cfg, "qk_norm", False):
+    q = rmsnorm4(q, p["q_norm"]["scale"], cfg.norm_eps)
+    k = rmsnorm4(k, p["k_norm"]["scale"], cfg.norm_eps)
+  q, k = rope(q, cfg, positions), rope(k, cfg, positions)
   v = linear(x, p["v"]).reshape(B, T, K, hd)
   k = jnp.repeat(k, H // K, axis=2)
   v = jnp.repeat(v, H // K, axis=2)
   scores = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k.astype(jnp.float32))
   scores = scores / math.sqrt(hd)
-  mask = np.tril(np.ones((T, T), bool))
-  scores = jnp.where(mask[None, None], scores, -1e30)
+  mask = np.broadcast_to(np.tril(np.ones((T, T), bool)), (B, T, T))
+  if segments is not None:
+    seg = np.asarray(segments)
+    mask = mask & (seg[:, :, None] == seg[:, None, :])
+  scores = jnp.where(mask[:, None], scores, -1e30)
   probs = jax.nn.softmax(scores, axis=-1)
   out = jnp.einsum("bhqk,bkhd->bqhd", probs, v.astype(jnp.float32)).astype(x.dtype)
   return linear(out.reshape(B, T, H * hd), p["o"])
 
 
-def block(x, p, cfg):
-  h = x + attention(rmsnorm(x, p["attn_norm"]["scale"], cfg.norm_eps), p["attn"], cfg)
+def rmsnorm4(x, scale, eps):
+  xf = x.astype(jnp.float32)
+  var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+  return (xf / jnp.sqrt(var + eps)).astype(x.dtype) * scale.astype(x.dtype)[None, None, None, :]
+
+
+def block(x, p, cfg, positions=None, segments=None):
+  h = x + attention(rmsnorm(x, p["attn_norm"]["scale"], cfg.norm_eps), p["attn"], cfg, positions,
+                    segments)
   m = rmsnorm(h, p["mlp_norm"]["scale"], cfg.norm_eps)
   mp = p["mlp"]
   return h + linear(jax.nn.silu(linear(m, mp["gate"])) * linear(m, mp["up"]), mp["down"])
 
 
-def loss_fn(params, inputs, targets, cfg, dtype=jnp.float32):
-  """Mean next-token cross-entropy of the whole model in one graph."""
+def loss_fn(params, inputs, targets, cfg, dtype=jnp.float32, positions=None, segments=None,
+            loss_weights=None):
+  """Next-token cross-entropy of the whole model in one graph: the mean over tokens, or with
+  `loss_weights` the weighted sum over their total."""
   cast = jax.tree.map(lambda a: a.astype(dtype), params)
   x = cast["embed"]["table"][inputs]
   for p in cast["blocks"]:
-    x = block(x, p, cfg)
+    x = block(x, p, cfg, positions, segments)
   hp = cast["head"]
   x = rmsnorm(x, hp["norm"]["scale"], cfg.norm_eps)
   w = cast["embed"]["table"].T if cfg.tie_embeddings else hp["out"]
   logits = (x @ w).astype(jnp.float32)
   logp = jax.nn.log_softmax(logits, axis=-1)
-  return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+  nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+  if loss_weights is None:
+    return jnp.mean(nll)
+  return jnp.sum(nll * loss_weights) / jnp.sum(loss_weights)
 
 
 def decay_mask(params):

@@ -22,15 +22,29 @@ def random_block(cfg, seed=0):
   return lay, lay.unflatten(w)
 
 
+def packed_ctx(B, T, seed):
+  """Random document boundaries per row: segment ids and positions restarting at each."""
+  rng = np.random.default_rng(seed)
+  seg = np.cumsum(rng.random((B, T)) < 0.25, axis=1).astype(np.int32)
+  pos = np.zeros((B, T), np.int32)
+  for b in range(B):
+    for t in range(1, T):
+      pos[b, t] = 0 if seg[b, t] != seg[b, t - 1] else pos[b, t - 1] + 1
+  return pos, seg
+
+
 @given(heads=hst.sampled_from([2, 4, 8]), kv=hst.sampled_from([1, 2]), bias=hst.booleans(),
-       scaling=hst.sampled_from(["none", "linear", "llama3"]), T=hst.sampled_from([1, 7, 16]))
-def test_block_equals_naive_reference(heads, kv, bias, scaling, T):
+       scaling=hst.sampled_from(["none", "linear", "llama3"]), T=hst.sampled_from([1, 7, 16]),
+       qk_norm=hst.booleans(), packed=hst.booleans())
+def test_block_equals_naive_reference(heads, kv, bias, scaling, T, qk_norm, packed):
   cfg = model_cfg(heads=heads, kv_heads=kv, head_dim=8, qkv_bias=bias, rope_scaling=scaling,
-                  rope_factor=4.0, rope_original_max_len=8)
+                  rope_factor=4.0, rope_original_max_len=8, qk_norm=qk_norm)
   _, p = random_block(cfg)
   x = jax.random.normal(jax.random.key(1), (2, T, cfg.hidden))
-  got = model.Block(cfg, "xla").apply({"params": p}, x)
-  want = ref.block(x, p, cfg)
+  pos, seg = packed_ctx(2, T, T) if packed else (None, None)
+  ctx = model.Ctx(jnp.asarray(pos), jnp.asarray(seg)) if packed else None
+  got = model.Block(cfg, "xla").apply({"params": p}, x, ctx)
+  want = ref.block(x, p, cfg, pos, seg)
   chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-5)
 
 
