@@ -45,3 +45,291 @@ def test_token_file_errors(tmp_path):
   np.full(100, 70, np.uint16).tofile(big)
   with pytest.raises(ValueError, match="vocab_size"):
     data.TokenFile(big, "uint16", 64).batch(0, 1, 8, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prepared documents: prepare (tokenize + split + write), loading checks, packed / padded batches.
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+from tokenizers import Tokenizer
+
+from mtjax import chat
+from test_chat import CONVERSATIONS, make_tokenizer
+
+PAD = 0
+
+
+def write_prepared(d, splits, vocab=500, masks=None, dtype="uint16"):
+  """Writes a prepared directory by hand: {split: [doc token lists]}, optional {split: [doc masks]}."""
+  d.mkdir(parents=True, exist_ok=True)
+  meta = {"dtype": dtype, "vocab_size": vocab, "pad_id": PAD, "eos_id": 1,
+          "has_mask": masks is not None, "splits": {}}
+  for s, docs in splits.items():
+    np.concatenate([np.asarray(x) for x in docs]).astype(dtype).tofile(d / f"{s}.bin")
+    np.concatenate([[0], np.cumsum([len(x) for x in docs])]).astype(np.uint64).tofile(d / f"{s}.idx")
+    if masks is not None:
+      np.concatenate([np.asarray(m) for m in masks[s]]).astype(np.uint8).tofile(d / f"{s}.mask")
+    meta["splits"][s] = {"documents": len(docs), "tokens": int(sum(len(x) for x in docs))}
+  (d / "meta.json").write_text(json.dumps(meta))
+  return d
+
+
+def prepared_cfg(d, **kw):
+  return config.DataConfig(source="prepared", path=str(d), **kw)
+
+
+def test_validation_packing_by_hand(tmp_path):
+  a, b, c = [11, 12, 13], [21, 22, 23, 24], [31, 32]
+  d = write_prepared(tmp_path, {"train": [a], "val": [a, b, c]},
+                     masks={"train": [[1, 1, 1]], "val": [[0, 1, 1], [0, 0, 1, 1], [1, 1]]})
+  (b0,) = list(data.validation_batches(prepared_cfg(d), batch=3, seq=4, vocab=500))
+  # rows of 5 overlapping by one: [a0 a1 a2 b0 b1] [b1 b2 b3 c0 c1], a padding row fills the batch
+  np.testing.assert_array_equal(b0.inputs, [[11, 12, 13, 21], [22, 23, 24, 31], [PAD] * 4])
+  assert b0.inputs.shape == (3, 4) and not b0.loss_weights[2].any()
+  b0 = data.Batch(*(getattr(b0, f.name)[:2] for f in dataclasses.fields(b0)))
+  np.testing.assert_array_equal(b0.targets, [[12, 13, 21, 22], [23, 24, 31, 32]])
+  np.testing.assert_array_equal(b0.positions, [[0, 1, 2, 0], [0, 1, 2, 0]])
+  np.testing.assert_array_equal(b0.segments, [[0, 0, 0, 1], [0, 0, 0, 1]])
+  # weight = mask of the target, 0 across a document boundary and on padding
+  np.testing.assert_array_equal(b0.loss_weights, [[1, 1, 0, 0], [1, 1, 0, 1]])
+  short = list(data.validation_batches(prepared_cfg(d), batch=1, seq=5, vocab=500))
+  np.testing.assert_array_equal([b.inputs[0] for b in short], [[11, 12, 13, 21, 22],
+                                                                [23, 24, 31, 32, PAD]])
+  np.testing.assert_array_equal(short[1].segments[0], [0, 0, 1, 1, 2])
+  np.testing.assert_array_equal(short[1].loss_weights[0], [1, 0, 1, 0, 0])
+  assert b0.inputs.dtype == np.int32 and b0.positions.dtype == np.int32
+  assert b0.segments.dtype == np.int32 and b0.loss_weights.dtype == np.float32
+
+  padded = list(data.validation_batches(prepared_cfg(d, mode="padded"), batch=2, seq=3, vocab=500))
+  assert len(padded) == 2
+  np.testing.assert_array_equal(padded[0].inputs, [[11, 12, 13], [21, 22, 23]])
+  np.testing.assert_array_equal(padded[0].targets, [[12, 13, PAD], [22, 23, 24]])  # b truncated
+  np.testing.assert_array_equal(padded[0].segments, [[0, 0, 0], [0, 0, 0]])
+  np.testing.assert_array_equal(padded[0].loss_weights, [[1, 1, 0], [0, 1, 1]])
+  np.testing.assert_array_equal(padded[1].inputs, [[31, 32, PAD], [PAD, PAD, PAD]])
+  np.testing.assert_array_equal(padded[1].segments, [[0, 0, 1], [0, 0, 0]])  # pad: own id
+  np.testing.assert_array_equal(padded[1].positions[0], [0, 1, 0])
+  np.testing.assert_array_equal(padded[1].loss_weights, [[1, 0, 0], [0, 0, 0]])
+
+
+def doc_tokens(n_docs, rng):
+  """Documents whose tokens name them: token = 20 * doc + offset + 1 (doc < 24, len < 20)."""
+  return [20 * i + 1 + np.arange(rng.integers(1, 19)) for i in range(n_docs)]
+
+
+def test_packed_epochs_cover_every_document_once_in_a_seeded_order(tmp_path):
+  docs = doc_tokens(23, np.random.default_rng(0))
+  d = write_prepared(tmp_path, {"train": docs, "val": docs[:1]})
+  B, T = 3, 7
+  src = data.source(prepared_cfg(d), B, T, vocab=500, seed=5)
+  per_epoch = (sum(len(x) for x in docs) - 1) // T
+  steps = 2 * per_epoch // B + 2  # past the second epoch
+  rows = [r for s in range(steps) for r in zip(*(getattr(src.batch(s), f) for f in
+                                                 ("inputs", "targets", "positions", "segments",
+                                                  "loss_weights")))]
+  for inp, tgt, pos, seg, w in rows:
+    row = np.concatenate([inp, tgt[-1:]])
+    doc, off = (row - 1) // 20, (row - 1) % 20
+    same = doc[:-1] == doc[1:]
+    # segments change exactly at document changes; positions count from each piece's start
+    np.testing.assert_array_equal(seg[1:] != seg[:-1], ~same[:-1])
+    np.testing.assert_array_equal(pos, off[:-1] - off[:-1][np.r_[0, np.flatnonzero(~same[:-1]) + 1]]
+                                  [np.cumsum(np.r_[0, ~same[:-1]])])
+    np.testing.assert_array_equal(w, same.astype(np.float32))
+    np.testing.assert_array_equal(tgt[same], inp[same] + 1)  # next token of the same document
+  orders = []
+  for e in range(2):
+    epoch = rows[e * per_epoch:(e + 1) * per_epoch]
+    stream = np.concatenate([r[0] for r in epoch] + [epoch[-1][1][-1:]])  # rows overlap by one
+    first = np.r_[0, np.flatnonzero(np.diff((stream - 1) // 20)) + 1]
+    order = ((stream[first] - 1) // 20).tolist()
+    for i, start in enumerate(first[1:-1], 1):  # every inner document appears whole, once
+      np.testing.assert_array_equal(stream[start:first[i + 1]], docs[order[i]])
+    assert len(set(order)) == len(order) >= len(docs) - 2  # the dropped tail holds at most 2
+    orders.append(order)
+  assert orders[0] != orders[1]  # a fresh shuffle each epoch
+  other = data.source(prepared_cfg(d), B, T, vocab=500, seed=6).batch(0)
+  assert not np.array_equal(other.inputs, src.batch(0).inputs)
+
+
+@pytest.mark.parametrize("mode", ["packed", "padded"])
+def test_resume_gives_the_same_batches(tmp_path, mode):
+  docs = doc_tokens(9, np.random.default_rng(1))
+  d = write_prepared(tmp_path, {"train": docs, "val": docs[:2]})
+  cfg = prepared_cfg(d, mode=mode)
+  it = data.batches(cfg, batch=2, seq=6, vocab=500, seed=3)
+  run = [next(it) for _ in range(20)]  # several epochs
+  for k in (0, 7, 19):
+    again = next(data.batches(cfg, batch=2, seq=6, vocab=500, seed=3, start_step=k))
+    for f in ("inputs", "targets", "positions", "segments", "loss_weights"):
+      np.testing.assert_array_equal(getattr(run[k], f), getattr(again, f))
+  pos = [data.position(cfg, 2, 6, 500, 3, s) for s in range(20)]
+  assert pos[0]["epoch"] == 0 and pos[0]["index"] == 0 and pos[-1]["epoch"] >= 2
+  assert all(p["index"] < p["per_epoch"] for p in pos)
+  assert [p["epoch"] * p["per_epoch"] + p["index"] for p in pos] == [2 * s for s in range(20)]
+  json.dumps(pos)  # saved with checkpoints
+  if mode == "padded":
+    assert all(np.all(b.loss_weights[b.segments == 1] == 0) for b in run)
+
+
+def test_synthetic_and_token_sources_keep_their_batches(tmp_path):
+  cfg = config.DataConfig()
+  np.testing.assert_array_equal(next(data.batches(cfg, 2, 8, 50, seed=1, start_step=3)).inputs,
+                                data.synthetic_batch(3, 2, 8, 50, seed=1).inputs)
+  b = data.synthetic_batch(0, 2, 8, 50, 1)
+  assert b.positions is None and b.segments is None and b.loss_weights is None
+  assert data.position(cfg, 2, 8, 50, 1, 7)["step"] == 7
+
+
+def test_prepared_checks(tmp_path):
+  docs = [[5, 6, 7], [8, 9]]
+  good = write_prepared(tmp_path / "good", {"train": docs, "val": docs})
+  cfg = prepared_cfg(good)
+  with pytest.raises(config.ConfigError, match="data.path"):
+    config.DataConfig(source="prepared")
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    data.source(prepared_cfg(tmp_path / "nothing"), 1, 4, 500, 0)
+  with pytest.raises(ValueError, match="model.vocab_size"):
+    data.source(cfg, 1, 4, 400, 0)
+  with pytest.raises(ValueError, match="fewer than train.seq"):
+    data.source(cfg, 1, 5, 500, 0)
+  data.source(cfg, 1, 4, 500, 0).batch(0)  # exactly one row of 5 tokens fits
+  data.source(prepared_cfg(good, mode="padded"), 1, 64, 500, 0).batch(0)  # padding needs no length
+  short = write_prepared(tmp_path / "short", {"train": docs, "val": docs})
+  with open(short / "train.bin", "ab") as f:
+    f.write(b"\0\0")
+  with pytest.raises(ValueError, match="train.bin holds 12 bytes"):
+    data.source(prepared_cfg(short), 1, 4, 500, 0)
+  big = write_prepared(tmp_path / "big", {"train": [[5, 450]], "val": docs}, vocab=300)
+  with pytest.raises(ValueError, match="token id 450"):
+    data.source(prepared_cfg(big), 1, 1, 500, 0)
+  (good / "val.idx").unlink()
+  with pytest.raises(FileNotFoundError, match="val.idx"):
+    next(data.validation_batches(cfg, 1, 4, 500))
+  (good / "meta.json").unlink()
+  with pytest.raises(FileNotFoundError, match="meta.json"):
+    data.source(cfg, 1, 4, 500, 0)
+
+
+def test_prepare_text_and_jsonl(tmp_path):
+  tok_dir = make_tokenizer(tmp_path / "tok")
+  tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+  eos = tok.token_to_id("<|im_end|>")
+  corpus = tmp_path / "corpus"
+  (corpus / "sub").mkdir(parents=True)
+  texts = {f"sub/{i}.txt": f"The quick brown fox {i} jumps over the lazy dog." * (i + 1)
+           for i in range(12)}
+  texts[".hidden.txt"] = "skipped"
+  for name, t in texts.items():
+    (corpus / name).write_text(t)
+  meta = data.prepare(tok_dir, tmp_path / "out", [str(corpus)], val_fraction=0.25, seed=1,
+                      progress=False)
+  assert meta["splits"]["train"]["documents"] == 9 and meta["splits"]["val"]["documents"] == 3
+  assert meta["dtype"] == "uint16" and meta["vocab_size"] == tok.get_vocab_size()
+  expect = {tuple(tok.encode(t, add_special_tokens=False).ids + [eos])
+            for n, t in texts.items() if not n.startswith(".")}
+  got = {}
+  for s in ("train", "val"):
+    toks = np.fromfile(tmp_path / "out" / f"{s}.bin", np.uint16)
+    idx = np.fromfile(tmp_path / "out" / f"{s}.idx", np.uint64)
+    got[s] = {tuple(toks[a:b].tolist()) for a, b in zip(idx[:-1], idx[1:])}
+  assert got["train"] | got["val"] == expect and not got["train"] & got["val"]
+  again = data.prepare(tok_dir, tmp_path / "again", [str(corpus)], val_fraction=0.25, seed=1,
+                       progress=False)
+  assert again["splits"] == meta["splits"]
+  assert (tmp_path / "again" / "val.bin").read_bytes() == (tmp_path / "out" / "val.bin").read_bytes()
+  other = data.prepare(tok_dir, tmp_path / "other", [str(corpus)], val_fraction=0.25, seed=2,
+                       progress=False)
+  assert (tmp_path / "other" / "val.bin").read_bytes() != (tmp_path / "out" / "val.bin").read_bytes()
+  batch = next(data.batches(prepared_cfg(tmp_path / "out"), 2, 16, tok.get_vocab_size(), 0))
+  assert batch.loss_weights.sum() > 0
+
+  lines = tmp_path / "docs.jsonl"
+  lines.write_text("\n".join(json.dumps({"body": f"hello world {i}"}) for i in range(5)) + "\n\n")
+  meta = data.prepare(tok_dir, tmp_path / "j", [str(lines)], fmt="jsonl", text_field="body",
+                      val_fraction=0, progress=False)
+  toks = np.fromfile(tmp_path / "j" / "train.bin", np.uint16).tolist()
+  want = sum((tok.encode(f"hello world {i}", add_special_tokens=False).ids + [eos]
+              for i in range(5)), [])
+  assert toks == want and meta["splits"]["val"]["documents"] == 0
+
+
+def test_prepare_chat_writes_the_assistant_mask(tmp_path):
+  tok_dir = make_tokenizer(tmp_path / "tok")
+  tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+  lines = [{"messages": m} for m in CONVERSATIONS] + [{"prompt": "Hello?", "response": "Paris."}]
+  f = tmp_path / "chat.jsonl"
+  f.write_text("".join(json.dumps(x) + "\n" for x in lines))
+  meta = data.prepare(tok_dir, tmp_path / "out", [str(f)], fmt="chat", val_fraction=0,
+                      progress=False)
+  assert meta["has_mask"] and meta["splits"]["train"]["documents"] == 3
+  template = chat.ChatTemplate.from_tokenizer(tok_dir)
+  msgs = [m["messages"] for m in lines[:2]] + [[{"role": "user", "content": "Hello?"},
+                                                {"role": "assistant", "content": "Paris."}]]
+  want = [chat.encode_chat(tok, template, m) for m in msgs]
+  # the template ends with "<|im_end|>\n", so EOS (<|im_end|>) is appended, unmasked
+  eos = tok.token_to_id("<|im_end|>")
+  toks = np.fromfile(tmp_path / "out" / "train.bin", np.uint16)
+  mask = np.fromfile(tmp_path / "out" / "train.mask", np.uint8)
+  np.testing.assert_array_equal(toks, np.concatenate([np.r_[i, eos] for i, _ in want]))
+  np.testing.assert_array_equal(mask, np.concatenate([np.r_[m, 0] for _, m in want]))
+  b = next(data.validation_batches(prepared_cfg(tmp_path / "out"), 4, 128, tok.get_vocab_size(),
+                                   split="train"))
+  counted = b.targets[b.loss_weights > 0]
+  assert len(counted) == mask.sum() and eos in counted  # every assistant token, end of turn too
+  assert tok.decode(counted.tolist(), skip_special_tokens=True).startswith("I am fine")
+
+
+def test_prepare_errors(tmp_path):
+  tok_dir = make_tokenizer(tmp_path / "tok")
+  out = tmp_path / "out"
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"text": "ok"}\n{"text": oops}\n')
+  with pytest.raises(ValueError, match=r"bad.jsonl:2: bad JSON"):
+    data.prepare(tok_dir, out, [str(bad)], fmt="jsonl", progress=False)
+  bad.write_text('{"text": "ok"}\n\n{"other": 1}\n')
+  with pytest.raises(ValueError, match=r"bad.jsonl:3: no string field 'text'"):
+    data.prepare(tok_dir, out, [str(bad)], fmt="jsonl", progress=False)
+  bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+  with pytest.raises(ValueError, match=r"bad.jsonl:1: .*no assistant"):
+    data.prepare(tok_dir, out, [str(bad)], fmt="chat", val_fraction=0, progress=False)
+  empty = tmp_path / "empty.txt"
+  empty.write_text("")
+  with pytest.raises(ValueError, match="empty.txt: empty file"):
+    data.prepare(tok_dir, out, [str(empty)], progress=False)
+  binary = tmp_path / "bin.txt"
+  binary.write_bytes(b"\xff\xfe\x00bad")
+  with pytest.raises(ValueError, match="bin.txt: unreadable as UTF-8"):
+    data.prepare(tok_dir, out, [str(binary)], progress=False)
+  with pytest.raises(FileNotFoundError, match="missing.txt"):
+    data.prepare(tok_dir, out, [str(tmp_path / "missing.txt")], progress=False)
+  good = tmp_path / "good.txt"
+  good.write_text("hello world")
+  with pytest.raises(ValueError, match="--eos"):
+    data.prepare(tok_dir, out, [str(good)], eos="<|nope|>", val_fraction=0, progress=False)
+  with pytest.raises(ValueError, match="--val-fraction: 1 document"):
+    data.prepare(tok_dir, out, [str(good)], progress=False)
+  no_template = make_tokenizer(tmp_path / "plain", template=None)
+  with pytest.raises(ValueError, match="no chat_template"):
+    data.prepare(no_template, out, [str(bad)], fmt="chat", progress=False)
+  assert not (out / "meta.json").exists()
+
+
+def test_prepare_cli_with_workers_matches_in_process(tmp_path):
+  tok_dir = make_tokenizer(tmp_path / "tok")
+  f = tmp_path / "docs.jsonl"
+  f.write_text("".join(json.dumps({"text": f"the quick brown fox {i}"}) + "\n" for i in range(600)))
+  data.prepare(tok_dir, tmp_path / "one", [str(f)], fmt="jsonl", progress=False)
+  cmd = [sys.executable, "-m", "mtjax.data", "prepare", "--tokenizer", str(tok_dir), "--out",
+         str(tmp_path / "two"), "--format", "jsonl", "--workers", "2", "--quiet", str(f)]
+  r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, r.stderr
+  for name in ("train.bin", "train.idx", "val.bin", "val.idx"):
+    assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
+  r = subprocess.run(cmd[:-1] + [str(tmp_path / "missing.jsonl")], capture_output=True, text=True,
+                     timeout=120)
+  assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith("error: ")

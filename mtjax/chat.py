@@ -1,0 +1,185 @@
+"""Chat SFT rendering: a tokenizer's own chat template, tokenized, with a loss mask on the assistant turns."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import numpy as np
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# tokenizer_config.json fields a template may read, as transformers passes them (special_tokens_map)
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                   "mask_token")
+
+
+class _Generation(jinja2.ext.Extension):
+  """Accepts transformers' `{% generation %}...{% endgeneration %}` tags and renders their body as is."""
+  tags = {"generation"}
+
+  def parse(self, parser):
+    lineno = next(parser.stream).lineno
+    body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+    return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+  def _render(self, caller):
+    return caller()
+
+
+def _raise_exception(message):
+  raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+  # transformers' tojson: jinja's own escapes HTML characters, which would change the rendered text
+  return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                    sort_keys=sort_keys)
+
+
+def _strftime_now(fmt):
+  return datetime.datetime.now().strftime(fmt)
+
+
+def token_text(value: Any) -> str | None:
+  """A special token from tokenizer_config.json: a string or an AddedToken dict with `content`."""
+  if isinstance(value, dict):
+    value = value.get("content")
+  return value if isinstance(value, str) else None
+
+
+def tokenizer_files(path: str | Path) -> tuple[Path, Path | None]:
+  """Returns (tokenizer.json, tokenizer_config.json or None) for a directory or a tokenizer.json path."""
+  path = Path(path)
+  if path.is_dir():
+    tok = path / "tokenizer.json"
+  else:
+    tok = path
+  if not tok.is_file():
+    raise FileNotFoundError(f"--tokenizer: {tok} does not exist")
+  cfg = tok.parent / "tokenizer_config.json"
+  return tok, cfg if cfg.is_file() else None
+
+
+def load_tokenizer_config(path: str | Path) -> dict:
+  """The tokenizer_config.json beside the tokenizer at `path`, or {} when there is none."""
+  _, cfg = tokenizer_files(path)
+  if cfg is None:
+    return {}
+  try:
+    return json.loads(cfg.read_text(encoding="utf-8"))
+  except (OSError, json.JSONDecodeError) as e:
+    raise ValueError(f"{cfg}: not a readable JSON file ({e})") from None
+
+
+class ChatTemplate:
+  """A tokenizer's chat template, rendered the way transformers' `apply_chat_template` renders it."""
+
+  def __init__(self, source: str, special_tokens: dict[str, str] | None = None):
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    self.template = env.from_string(source)
+    self.special_tokens = dict(special_tokens or {})
+
+  @classmethod
+  def from_tokenizer(cls, path: str | Path) -> "ChatTemplate":
+    """Reads `chat_template` from tokenizer_config.json (or chat_template.jinja) beside the tokenizer.
+
+    Args:
+      path: a directory holding tokenizer.json, or the tokenizer.json file.
+
+    Returns:
+      The template with the config's special tokens (bos_token, eos_token, ...) as variables.
+    """
+    tok, cfg_path = tokenizer_files(path)
+    cfg = load_tokenizer_config(path)
+    source = cfg.get("chat_template")
+    if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
+      named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+      source = named.get("default")
+    jinja_file = tok.parent / "chat_template.jinja"
+    if not source and jinja_file.is_file():
+      source = jinja_file.read_text(encoding="utf-8")
+    if not isinstance(source, str) or not source:
+      raise ValueError(f"{cfg_path or tok.parent}: no chat_template (nor {jinja_file.name}) "
+                       "for the chat format")
+    special = {k: token_text(cfg.get(k)) for k in _SPECIAL_TOKENS}
+    return cls(source, {k: v for k, v in special.items() if v is not None})
+
+  def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """The conversation as text; a template's raise_exception becomes a ValueError."""
+    try:
+      return self.template.render(messages=messages, tools=None, documents=None,
+                                  add_generation_prompt=add_generation_prompt,
+                                  **self.special_tokens)
+    except jinja2.exceptions.TemplateError as e:
+      raise ValueError(f"chat template: {e}") from None
+
+  def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """Renders `messages` and returns the text with the character span each assistant message adds.
+
+    A span runs from the end of the prompt the template renders before the message (its header, as
+    `add_generation_prompt` renders it) to the end of the message's turn, trailing whitespace
+    dropped: the content and the end-of-turn token the model must learn to emit.
+    """
+    text = self.render(messages)
+    spans = []
+    for i, m in enumerate(messages):
+      if m.get("role") != "assistant":
+        continue
+      before = self.render(messages[:i], add_generation_prompt=True)
+      through = self.render(messages[:i + 1])
+      # Prefix renderings locate the message only if the template renders a conversation's prefix
+      # as a prefix of the whole; templates that rewrite earlier turns would mask the wrong tokens.
+      if not (through.startswith(before) and text.startswith(through)):
+        raise ValueError(f"chat template: rendering of messages[:{i + 1}] is not a prefix of the "
+                         "whole conversation; cannot locate the assistant tokens")
+      end = len(through.rstrip())
+      if end > len(before):
+        spans.append((len(before), end))
+    return text, spans
+
+
+def loss_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
+  """1 on every token whose characters overlap an assistant span (as transformers' assistant_masks).
+
+  Args:
+    offsets: each token's (start, end) character offsets in the rendered text.
+    spans: sorted, disjoint (start, end) character spans of the assistant messages.
+
+  Returns:
+    [n_tokens] uint8 mask.
+  """
+  mask = np.zeros(len(offsets), np.uint8)
+  k = 0
+  for t, (a, b) in enumerate(offsets):
+    while k < len(spans) and a >= spans[k][1]:
+      k += 1
+    if k == len(spans):
+      break
+    if b > spans[k][0]:  # byte-level BPE trims whitespace tokens to empty spans: count them
+      mask[t] = 1
+  return mask
+
+
+def encode_chat(tokenizer, template: ChatTemplate, messages: list[dict]
+                ) -> tuple[np.ndarray, np.ndarray]:
+  """Tokenizes a conversation as `apply_chat_template(messages, tokenize=True)` does.
+
+  Args:
+    tokenizer: a `tokenizers.Tokenizer`.
+    template: the tokenizer's chat template.
+    messages: [{"role": ..., "content": ...}, ...].
+
+  Returns:
+    (ids [n] int64, loss mask [n] uint8: 1 on the assistant messages' tokens).
+  """
+  text, spans = template.assistant_spans(messages)
+  enc = tokenizer.encode(text, add_special_tokens=False)
+  return np.asarray(enc.ids, np.int64), loss_mask(enc.offsets, spans)
