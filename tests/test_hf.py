@@ -1,0 +1,306 @@
+"""Hugging Face import/export against transformers' own models (torch and transformers: tests only)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.numpy
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from mtjax import hf, model, state as state_lib  # noqa: E402
+from mtjax.config import ModelConfig  # noqa: E402
+
+BASE = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=48, initializer_range=0.2)
+FAMILIES = {  # name -> (config class, extra config kwargs, shard size: small = several shards)
+    "llama3": (transformers.LlamaConfig, dict(
+        rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 16}), "20KB"),
+    "llama_tied": (transformers.LlamaConfig, dict(
+        tie_word_embeddings=True, rope_scaling={"rope_type": "linear", "factor": 2.0}), "10MB"),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=None, rope_theta=1e6), "20KB"),
+    "qwen2": (transformers.Qwen2Config, dict(), "20KB"),
+    "qwen3": (transformers.Qwen3Config, dict(head_dim=16), "20KB"),
+}
+TOKENIZER = {"tokenizer.json": '{"version": "1.0"}', "tokenizer_config.json": '{"x": 1}',
+             "merges.txt": "a b\n", "chat_template.jinja": "{{ messages }}"}
+
+
+def build(family, directory, dtype=torch.float32, seed=0):
+  """A random tiny transformers model, norms and biases moved off 1 and 0, saved to `directory`."""
+  cls, extra, shard = FAMILIES[family]
+  torch.manual_seed(seed)
+  m = transformers.AutoModelForCausalLM.from_config(cls(**BASE, **extra),
+                                                    attn_implementation="eager")
+  with torch.no_grad():
+    for name, p in m.named_parameters():
+      if name.endswith("norm.weight"):
+        p.add_(0.3 * torch.randn_like(p))
+      elif name.endswith(".bias"):
+        p.normal_(0.0, 0.3)
+  m = m.to(dtype).eval()
+  m.save_pretrained(directory, max_shard_size=shard)
+  return m
+
+
+def load(directory):
+  """Imports a directory: (config, layouts, {group: flat fp32 vector})."""
+  ckpt = hf.Checkpoint(directory)
+  cfg = ModelConfig(**ckpt.model_fields())
+  lays = state_lib.layouts(cfg)
+  ckpt.check(cfg, lays)
+  flats = {}
+  for g in hf.group_names(cfg):
+    kind = g if g in ("embed", "head") else "block"
+    flats[g] = np.full(lays[kind].size, np.nan, np.float32)  # NaN: a gap would show
+    ckpt.read_group(cfg, lays, g, flats[g])
+  return cfg, lays, flats
+
+
+def logits(cfg, lays, flats, ids):
+  """mtjax's layer modules composed into the whole model, in fp32."""
+  x = model.Embed(cfg).apply({"params": lays["embed"].unflatten(flats["embed"])}, ids)
+  for i in range(cfg.layers):
+    x = model.Block(cfg, "xla").apply({"params": lays["block"].unflatten(flats[f"block_{i}"])}, x)
+  table = lays["embed"].unflatten(flats["embed"])["table"] if cfg.tie_embeddings else None
+  return model.Head(cfg).apply({"params": lays["head"].unflatten(flats["head"])}, x, table)
+
+
+def token_ids(V, seed=0):
+  return np.random.default_rng(seed).integers(0, V, (2, 12)).astype(np.int32)
+
+
+def state_dict_bits(m):
+  """Every tensor's bit pattern (integer view), so NaN payloads and -0.0 compare exactly."""
+  ints = {2: torch.int16, 4: torch.int32}
+  return {k: v.detach().contiguous().view(ints[v.element_size()]).numpy()
+          for k, v in m.state_dict().items()}
+
+
+def assert_bits_equal(got: dict, want: dict):
+  assert got.keys() == want.keys()
+  for k in want:
+    np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  """family -> (directory, fp32 torch model), each built once for the module."""
+  cache = {}
+
+  def get(family):
+    if family not in cache:
+      d = tmp_path_factory.mktemp(family)
+      cache[family] = (d, build(family, d))
+    return cache[family]
+  return get
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_match_transformers(saved, family):
+  d, m = saved(family)
+  n_shards = len(list(d.glob("*.safetensors")))
+  assert (n_shards == 1) == (family == "llama_tied")
+  assert (d / "model.safetensors.index.json").exists() == (n_shards > 1)
+  cfg, lays, flats = load(d)
+  assert (cfg.tie_embeddings, cfg.qkv_bias, cfg.qk_norm) == (
+      family == "llama_tied", family == "qwen2", family == "qwen3")
+  ids = token_ids(cfg.vocab_size)
+  with torch.no_grad():
+    want = m(torch.from_numpy(ids).long()).logits.numpy()
+  assert 0.5 < np.abs(want).mean() < 5  # logits of magnitude ~1, so the tolerance means fp32
+  got = logits(cfg, lays, {k: jnp.asarray(v) for k, v in flats.items()}, ids)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_model_fields_llama3_rope(saved):
+  d, _ = saved("llama3")
+  f = hf.Checkpoint(d).model_fields()
+  assert f["rope_scaling"] == "llama3" and f["rope_theta"] == 500000.0
+  assert (f["rope_factor"], f["rope_low_freq_factor"], f["rope_high_freq_factor"],
+          f["rope_original_max_len"]) == (8.0, 1.0, 4.0, 16)
+  legacy = json.loads((d / "config.json").read_text())  # transformers 4 spelling
+  rope = legacy.pop("rope_parameters")
+  legacy["rope_theta"] = rope.pop("rope_theta")
+  legacy["rope_scaling"] = {**rope, "type": rope.pop("rope_type")}
+  assert hf.model_fields(legacy) == f
+
+
+@pytest.mark.parametrize("family", ["llama3", "llama_tied", "qwen2", "qwen3"])
+def test_loss_and_gradients_match_torch_autograd(saved, family):
+  d, m0 = saved(family)
+  cfg, lays, flats = load(d)
+  m = transformers.AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager",
+                                                        dtype=torch.float32)
+  ids = token_ids(cfg.vocab_size, seed=1)
+  out = m(torch.from_numpy(ids).long(), labels=torch.from_numpy(ids).long())
+  out.loss.backward()
+
+  def loss_fn(params):
+    lg = logits(cfg, lays, params, ids)[:, :-1].reshape(-1, cfg.vocab_size)
+    return jnp.mean(model.token_nll(lg, jnp.asarray(ids[:, 1:].reshape(-1))))
+
+  loss, grads = jax.value_and_grad(loss_fn)({k: jnp.asarray(v) for k, v in flats.items()})
+  np.testing.assert_allclose(loss, out.loss.item(), rtol=1e-5)
+  want = {k: p.grad.numpy() for k, p in m.named_parameters()}
+  got = {name: g for grp in hf.group_names(cfg)
+         for name, g in hf.hf_tensors(lays, grp, np.asarray(grads[grp]))}
+  assert got.keys() == want.keys()
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.parametrize("family,dtype", [("qwen2", torch.bfloat16), ("qwen3", torch.float16),
+                                          ("llama_tied", torch.bfloat16)])
+def test_half_precision_import_is_exact(tmp_path, family, dtype):
+  m = build(family, tmp_path, dtype)
+  assert json.loads((tmp_path / "config.json").read_text())["dtype"] == str(dtype)[6:]
+  cfg, lays, flats = load(tmp_path)
+  got = {name: a for grp in hf.group_names(cfg) for name, a in hf.hf_tensors(lays, grp, flats[grp])}
+  for name, p in m.named_parameters():
+    want = p.detach().float().numpy()
+    np.testing.assert_array_equal(got[name].view(np.int32), want.view(np.int32), err_msg=name)
+
+
+def special_values(m):
+  """Writes fp32 bit patterns that test bf16 rounding into the embedding table's first row."""
+  bits = np.array([0x3F808000, 0x3F818000, 0xBF808000, 0x3F80C000, 0x3F807FFF, 0x7F7FFFFF,
+                   0xFF7FFFFF, 0x7FC00001, 0x7F800001, 0x7F800000, 0x80000000, 0x00008000,
+                   0x00018000, 0x807FFFFF, 0x00000001, 0x3EAAAAAB], np.uint32)
+  with torch.no_grad():
+    m.model.embed_tokens.weight[0, :bits.size] = torch.from_numpy(bits.view(np.float32))
+
+
+def test_export_round_trip_with_source(tmp_path):
+  src = tmp_path / "src"
+  m = build("llama3", src)
+  special_values(m)
+  m.save_pretrained(src, max_shard_size="20KB")
+  for name, text in TOKENIZER.items():
+    (src / name).write_text(text)
+  cfg, lays, flats = load(src)
+  want = state_dict_bits(m)
+
+  out32 = hf.export(tmp_path / "f32", cfg, lays, iter(flats.items()), dtype="float32",
+                    source_dir=src, max_shard_bytes=20_000)
+  n = len(list(out32.glob("model-*-of-*.safetensors")))
+  assert n > 2 and (out32 / f"model-{n:05d}-of-{n:05d}.safetensors").exists()
+  config = json.loads((out32 / "config.json").read_text())
+  assert config["dtype"] == "float32" and config["initializer_range"] == 0.2
+  for name, text in TOKENIZER.items():
+    assert (out32 / name).read_text() == text
+  assert (out32 / "generation_config.json").read_bytes() == (
+      src / "generation_config.json").read_bytes()
+  m32 = transformers.AutoModelForCausalLM.from_pretrained(out32)
+  assert m32.dtype == torch.float32
+  assert_bits_equal(state_dict_bits(m32), want)
+
+  out16 = hf.export(tmp_path / "bf16", cfg, lays, iter(flats.items()), dtype="bfloat16",
+                    source_dir=src)
+  assert sorted(p.name for p in out16.glob("*.safetensors")) == ["model.safetensors"]
+  assert json.loads((out16 / "config.json").read_text())["dtype"] == "bfloat16"
+  m16 = transformers.AutoModelForCausalLM.from_pretrained(out16)
+  assert m16.dtype == torch.bfloat16
+  source_nan = np.isnan(m.model.embed_tokens.weight.detach().numpy())
+  got, want16 = state_dict_bits(m16), state_dict_bits(m.to(torch.bfloat16))
+  # NaN stays NaN, but its bits are torch's choice (0xFFFF from its vectorized loop, 0x7FC0 from
+  # its scalar one); every other value must be torch's rounding exactly.
+  nan = np.isnan(m16.model.embed_tokens.weight.detach().float().numpy())
+  assert nan.sum() == 2 and (nan == source_nan).all()
+  got["model.embed_tokens.weight"][nan] = want16["model.embed_tokens.weight"][nan]
+  assert_bits_equal(got, want16)
+  assert not list(tmp_path.glob(".*"))  # no temporary directory left behind
+
+
+@pytest.mark.parametrize("family", ["llama3", "llama_tied", "qwen2", "qwen3"])
+def test_export_without_source_writes_a_config_transformers_reads(saved, tmp_path, family):
+  d, m = saved(family)
+  cfg, lays, flats = load(d)
+  out = hf.export(tmp_path / "out", cfg, lays, iter(flats.items()), dtype="float32",
+                  max_shard_bytes=30_000)
+  assert ModelConfig(**hf.Checkpoint(out).model_fields()) == cfg
+  m2 = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+  assert type(m2) is type(m)
+  assert_bits_equal(state_dict_bits(m2), state_dict_bits(m))
+  ids = torch.from_numpy(token_ids(cfg.vocab_size)).long()
+  with torch.no_grad():
+    np.testing.assert_array_equal(m2(ids).logits.numpy(), m(ids).logits.numpy())
+
+
+def test_export_is_all_or_nothing(saved, tmp_path):
+  d, _ = saved("llama3")
+  cfg, lays, flats = load(d)
+
+  def failing():
+    yield "embed", flats["embed"]
+    yield "block_0", flats["block_0"]
+    raise RuntimeError("disk full")
+
+  with pytest.raises(RuntimeError, match="disk full"):
+    hf.export(tmp_path / "out", cfg, lays, failing(), max_shard_bytes=10_000)
+  assert list(tmp_path.iterdir()) == []
+  with pytest.raises(hf.HFError, match=r"got group 'head', expected block_1"):
+    hf.export(tmp_path / "out", cfg, lays, [(k, flats[k]) for k in ("embed", "block_0", "head")])
+  assert list(tmp_path.iterdir()) == []
+  (tmp_path / "out").mkdir()
+  (tmp_path / "out" / "keep").write_text("x")
+  with pytest.raises(hf.HFError, match="not an empty directory"):
+    hf.export(tmp_path / "out", cfg, lays, iter(flats.items()))
+
+
+def one_line(excinfo, *parts):
+  msg = str(excinfo.value)
+  assert "\n" not in msg, msg
+  for p in parts:
+    assert p in msg, msg
+
+
+@pytest.mark.parametrize("edit,parts", [
+    (dict(architectures=["GPT2LMHeadModel"]), ["GPT2LMHeadModel", "unsupported"]),
+    (dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=4096),
+     ["sliding_window=4096"]),
+    (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=True),
+     ["use_sliding_window=True"]),
+    (dict(attention_bias=True), ["attention_bias=True"]),
+    (dict(mlp_bias=True), ["mlp_bias=True"]),
+    (dict(hidden_act="gelu"), ["hidden_act='gelu'"]),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), ["'yarn'"]),
+    (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}),
+     ["low_freq_factor"]),
+    (dict(hidden_size=None), ["hidden_size", "missing"]),
+])
+def test_unsupported_config_is_a_one_line_error(saved, edit, parts):
+  d, _ = saved("llama3")
+  config = {**json.loads((d / "config.json").read_text()), **edit}
+  with pytest.raises(hf.HFError) as e:
+    hf.model_fields(config, "x/config.json")
+  one_line(e, "x/config.json", *parts)
+
+
+@pytest.mark.parametrize("change,parts", [
+    ("missing", ["model.layers.1.mlp.up_proj.weight", "missing"]),
+    ("misshapen", ["model.layers.1.mlp.up_proj.weight", "[47, 32]", "[48, 32]"]),
+    ("unexpected", ["model.layers.2.mlp.up_proj.weight", "unexpected"]),
+])
+def test_bad_tensors_are_one_line_errors_before_anything_is_read(tmp_path, change, parts):
+  build("llama_tied", tmp_path)
+  path = tmp_path / "model.safetensors"
+  tensors = safetensors.numpy.load_file(path)
+  name = "model.layers.1.mlp.up_proj.weight"
+  if change == "missing":
+    del tensors[name]
+  elif change == "misshapen":
+    tensors[name] = tensors[name][:-1]
+  else:
+    tensors["model.layers.2.mlp.up_proj.weight"] = tensors[name]
+  safetensors.numpy.save_file(tensors, path)
+  ckpt = hf.Checkpoint(tmp_path)
+  cfg = ModelConfig(**ckpt.model_fields())
+  with pytest.raises(hf.HFError) as e:
+    ckpt.check(cfg, state_lib.layouts(cfg))
+  one_line(e, str(tmp_path), *parts)
