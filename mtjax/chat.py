@@ -1,4 +1,4 @@
-"""Chat SFT rendering: a tokenizer's own chat template, tokenized, with a loss mask on the assistant turns."""
+"""Chat SFT: the tokenizer's own chat template, rendered and tokenized, with an assistant loss mask."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_toke
 
 
 class _Generation(jinja2.ext.Extension):
-  """Accepts transformers' `{% generation %}...{% endgeneration %}` tags and renders their body as is."""
+  """Accepts transformers' `{% generation %}...{% endgeneration %}` tags; renders the body as is."""
   tags = {"generation"}
 
   def parse(self, parser):
@@ -52,7 +52,7 @@ def token_text(value: Any) -> str | None:
 
 
 def tokenizer_files(path: str | Path) -> tuple[Path, Path | None]:
-  """Returns (tokenizer.json, tokenizer_config.json or None) for a directory or a tokenizer.json path."""
+  """(tokenizer.json, tokenizer_config.json or None) for a directory or a tokenizer.json path."""
   path = Path(path)
   if path.is_dir():
     tok = path / "tokenizer.json"
@@ -76,7 +76,7 @@ def load_tokenizer_config(path: str | Path) -> dict:
 
 
 class ChatTemplate:
-  """A tokenizer's chat template, rendered the way transformers' `apply_chat_template` renders it."""
+  """A tokenizer's chat template, rendered as transformers' `apply_chat_template` renders it."""
 
   def __init__(self, source: str, special_tokens: dict[str, str] | None = None):
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -89,7 +89,7 @@ class ChatTemplate:
 
   @classmethod
   def from_tokenizer(cls, path: str | Path) -> "ChatTemplate":
-    """Reads `chat_template` from tokenizer_config.json (or chat_template.jinja) beside the tokenizer.
+    """Reads `chat_template` of tokenizer_config.json (or chat_template.jinja) by the tokenizer.
 
     Args:
       path: a directory holding tokenizer.json, or the tokenizer.json file.

@@ -1,5 +1,5 @@
 """Token batches, each a pure function of step: a learnable synthetic stream, a flat token file, and
-prepared documents (`python -m mtjax.data prepare`) packed with document masks or padded one per row."""
+prepared documents (`python -m mtjax.data prepare`), packed with document masks or padded."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from mtjax.config import DataConfig
 class Batch:
   inputs: np.ndarray  # [B, T] int32
   targets: np.ndarray  # [B, T] int32, inputs shifted left by one within a document
-  positions: np.ndarray | None = None  # [B, T] int32 RoPE positions, restarting at 0 per document; None: 0..T-1
-  segments: np.ndarray | None = None  # [B, T] int32 document id per token (padding has its own); None: one document
+  positions: np.ndarray | None = None  # [B, T] int32 RoPE positions, 0 at each document's start
+  segments: np.ndarray | None = None  # [B, T] int32 document ids in a row; padding has its own
   loss_weights: np.ndarray | None = None  # [B, T] float32 weight of each target; None: all 1
 
 
@@ -116,6 +116,9 @@ class Prepared:
       data_vocab, pad_id = int(meta["vocab_size"]), int(meta["pad_id"])
     except (ValueError, KeyError, TypeError) as e:
       raise ValueError(f"data.path: {meta_path} is not a prepared-data meta.json ({e!r})") from None
+    if dtype.name not in ("uint16", "uint32") or not 0 <= pad_id < data_vocab:
+      raise ValueError(f"data.path: {meta_path}: dtype {dtype.name} (uint16/uint32) or pad_id "
+                       f"{pad_id} (< vocab_size {data_vocab}) is wrong")
     if data_vocab > vocab:
       raise ValueError(f"data.path: {meta_path} has vocab_size {data_vocab} > model.vocab_size "
                        f"({vocab})")
@@ -206,24 +209,28 @@ class PreparedSource:
   packed: each epoch concatenates the documents in a seeded shuffle and cuts the stream into rows
   of seq + 1 tokens, each starting on the previous row's last token so that every token is a target
   once (the tail that fills no row is dropped); padded: each epoch takes the documents
-  in a seeded shuffle, one per row, truncated to seq + 1 tokens.
+  in a seeded shuffle, one per row, truncated to seq + 1 tokens (those without a counted target in
+  that window, such as an SFT prompt longer than a row, are left out).
   """
 
   def __init__(self, data: Prepared, mode: str, batch: int, seq: int, seed: int, vocab: int):
-    self.data, self.mode, self.shape, self.seed, self.model_vocab = data, mode, (batch, seq), seed, vocab
+    self.data, self.mode, self.shape, self.seed = data, mode, (batch, seq), seed
+    self.model_vocab = vocab
     if mode == "packed":
       self.per_epoch = (data.n_tokens - 1) // seq
       if self.per_epoch < 1:
         raise ValueError(f"data.path: split {data.split!r} of {data.path} holds {data.n_tokens} "
                          f"tokens, fewer than train.seq + 1 ({seq + 1})")
+      self.docs = np.arange(data.n_docs)
     else:
-      self.per_epoch = data.n_docs
+      self.docs = _with_targets(data, seq)
+      self.per_epoch = len(self.docs)
     self._epochs: collections.OrderedDict = collections.OrderedDict()
 
   def _epoch(self, e: int) -> tuple[np.ndarray, np.ndarray]:
     """The epoch's document order and, packed, the stream offset where each of them ends."""
     if e not in self._epochs:
-      order = np.random.default_rng([self.seed, e]).permutation(self.data.n_docs)
+      order = self.docs[np.random.default_rng([self.seed, e]).permutation(len(self.docs))]
       self._epochs[e] = (order, np.cumsum(self.data.lengths[order]))
       while len(self._epochs) > 2:  # a step's rows span at most two epochs
         self._epochs.popitem(last=False)
@@ -256,8 +263,22 @@ class PreparedSource:
     return pos
 
 
+def _with_targets(data: Prepared, seq: int) -> np.ndarray:
+  """The documents with a target the loss counts in their first seq + 1 tokens, for padded rows."""
+  # A row without one would only add a weight-0 row, and a batch of them has no loss at all (an
+  # SFT prompt longer than the row, say): such documents are left out of padded epochs.
+  keep = data.lengths >= 2
+  if data.mask is not None:
+    keep &= np.array([data.mask[a + 1:a + min(n, seq + 1)].any()
+                      for a, n in zip(data.starts[:-1], data.lengths)], dtype=bool)
+  if not keep.any():
+    raise ValueError(f"data.path: no document of split {data.split!r} of {data.path} has a target "
+                     f"the loss counts within train.seq + 1 ({seq + 1}) tokens")
+  return np.flatnonzero(keep)
+
+
 def _cut(data: Prepared, order: np.ndarray, ends: np.ndarray, a: int, b: int) -> list:
-  """The pieces of documents (in `order`, ending at stream offsets `ends`) covering stream [a, b)."""
+  """The pieces of the documents (in `order`, ending at stream offsets `ends`) covering [a, b)."""
   pieces = []
   j = int(np.searchsorted(ends, a, side="right"))
   while j < len(order) and a < b:
@@ -291,7 +312,7 @@ def source(cfg: DataConfig, batch: int, seq: int, vocab: int, seed: int):
 
 
 def batches(cfg: DataConfig, batch: int, seq: int, vocab: int, seed: int, start_step: int = 0):
-  """Yields the batch of each step from `start_step` on; the same step always gives the same batch."""
+  """Yields the batch of each step from `start_step` on; a step always gives the same batch."""
   src = source(cfg, batch, seq, vocab, seed)
   step = start_step
   while True:
@@ -300,7 +321,7 @@ def batches(cfg: DataConfig, batch: int, seq: int, vocab: int, seed: int, start_
 
 
 def position(cfg: DataConfig, batch: int, seq: int, vocab: int, seed: int, step: int) -> dict:
-  """Where `step`'s batch lies in the data (epoch, index within it, ...), to save with a checkpoint."""
+  """Where `step`'s batch lies in the data (epoch, index in it, ...), saved with a checkpoint."""
   return source(cfg, batch, seq, vocab, seed).position(step)
 
 
@@ -310,7 +331,8 @@ def validation_batches(cfg: DataConfig, batch: int, seq: int, vocab: int, split:
 
   packed: the split's documents concatenated and cut into rows of seq + 1 that overlap by one token
   (the last row padded);
-  padded: one document per row, truncated to seq + 1. The last batch is filled with padding rows
+  padded: one document per row, truncated to seq + 1 (as in training, those without a counted
+  target are left out). The last batch is filled with padding rows
   of weight 0, so sum(nll * w) / sum(w) over all batches is the mean loss over the split's targets.
 
   Args:
@@ -332,8 +354,9 @@ def validation_batches(cfg: DataConfig, batch: int, seq: int, vocab: int, split:
     n_rows = -(-(data.n_tokens - 1) // seq)
     row = lambda r: _cut(data, order, ends, r * seq, r * seq + seq + 1)
   else:
-    n_rows = data.n_docs
-    row = lambda r: [data.piece(r, 0, min(int(data.lengths[r]), seq + 1))]
+    docs = _with_targets(data, seq)
+    n_rows = len(docs)
+    row = lambda r: [data.piece(int(docs[r]), 0, min(int(data.lengths[docs[r]]), seq + 1))]
 
   def gen():
     for r0 in range(0, n_rows, batch):
@@ -347,7 +370,7 @@ def validation_batches(cfg: DataConfig, batch: int, seq: int, vocab: int, split:
 # prepare: tokenize text, jsonl or chat jsonl into DIR/{train,val}.{bin,idx[,mask]} + meta.json.
 
 FORMATS = ("text", "jsonl", "chat")
-_CHUNK = 256  # documents per encode_batch call / per task of the worker pool
+_CHUNK = 1024  # documents per encode_batch call / per task of the worker pool
 
 
 def _input_files(inputs: list[str]) -> list[Path]:
@@ -427,8 +450,8 @@ def _init_worker(tokenizer_path: str, fmt: str, eos_id: int):
   from tokenizers import Tokenizer
 
   from mtjax import chat
-  _WORKER.update(tok=Tokenizer.from_file(tokenizer_path), fmt=fmt, eos=eos_id,
-                 template=chat.ChatTemplate.from_tokenizer(tokenizer_path) if fmt == "chat" else None)
+  template = chat.ChatTemplate.from_tokenizer(tokenizer_path) if fmt == "chat" else None
+  _WORKER.update(tok=Tokenizer.from_file(tokenizer_path), fmt=fmt, eos=eos_id, template=template)
 
 
 def _encode_chunk(chunk: list[tuple[str, object]]) -> list[tuple[np.ndarray, np.ndarray | None]]:
@@ -576,7 +599,8 @@ def prepare(tokenizer: str | Path, out: str | Path, inputs: list[str], fmt: str 
   meta = {
       "format": fmt, "dtype": dtype.name, "vocab_size": vocab, "eos_id": eos_id, "pad_id": pad_id,
       "has_mask": has_mask, "seed": seed, "val_fraction": val_fraction,
-      "tokenizer": str(tok_file), "tokenizer_sha256": hashlib.sha256(tok_file.read_bytes()).hexdigest(),
+      "tokenizer": str(tok_file),
+      "tokenizer_sha256": hashlib.sha256(tok_file.read_bytes()).hexdigest(),
       "inputs": [str(f) for f in files],
       "splits": {s: {"documents": len(starts[s]) - 1, "tokens": starts[s][-1]} for s in SPLITS},
   }

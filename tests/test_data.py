@@ -322,7 +322,8 @@ def test_prepare_errors(tmp_path):
 def test_prepare_cli_with_workers_matches_in_process(tmp_path):
   tok_dir = make_tokenizer(tmp_path / "tok")
   f = tmp_path / "docs.jsonl"
-  f.write_text("".join(json.dumps({"text": f"the quick brown fox {i}"}) + "\n" for i in range(600)))
+  n = 3200  # several tasks of the pool (1024 documents each): the workers' results must be ordered
+  f.write_text("".join(json.dumps({"text": f"the quick brown fox {i}"}) + "\n" for i in range(n)))
   data.prepare(tok_dir, tmp_path / "one", [str(f)], fmt="jsonl", progress=False)
   cmd = [sys.executable, "-m", "mtjax.data", "prepare", "--tokenizer", str(tok_dir), "--out",
          str(tmp_path / "two"), "--format", "jsonl", "--workers", "2", "--quiet", str(f)]
@@ -333,3 +334,19 @@ def test_prepare_cli_with_workers_matches_in_process(tmp_path):
   r = subprocess.run(cmd[:-1] + [str(tmp_path / "missing.jsonl")], capture_output=True, text=True,
                      timeout=120)
   assert r.returncode != 0 and r.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_padded_leaves_out_documents_without_a_counted_target(tmp_path):
+  docs = [[5, 6, 7, 8], [9], [10, 11, 12, 13], [14, 15]]
+  masks = [[0, 0, 1, 1], [1], [0, 0, 0, 0], [0, 1]]  # [9] predicts nothing; doc 2 is all prompt
+  d = write_prepared(tmp_path, {"train": docs, "val": docs}, masks={"train": masks, "val": masks})
+  cfg = prepared_cfg(d, mode="padded")
+  src = data.source(cfg, 2, 1, 500, seed=0)
+  firsts = {int(b.inputs[r, 0]) for s in range(6) for b in [src.batch(s)] for r in range(2)}
+  assert firsts == {14} and src.position(0)["per_epoch"] == 1  # doc 0's target 7 is past seq + 1
+  rows = np.concatenate([b.inputs for b in data.validation_batches(cfg, 2, 3, 500)])
+  np.testing.assert_array_equal(rows, [[5, 6, 7], [14, 15, PAD]])  # doc 0 counts target 7 now
+  prompts = write_prepared(tmp_path / "p", {"train": docs[2:3], "val": docs[2:3]},
+                           masks={"train": masks[2:3], "val": masks[2:3]})
+  with pytest.raises(ValueError, match="no document"):
+    data.source(prepared_cfg(prompts, mode="padded"), 2, 8, 500, seed=0)
