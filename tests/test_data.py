@@ -297,6 +297,9 @@ def test_prepare_errors(tmp_path):
   bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
   with pytest.raises(ValueError, match=r"bad.jsonl:1: .*no assistant"):
     data.prepare(tok_dir, out, [str(bad)], fmt="chat", val_fraction=0, progress=False)
+  bad.write_text("\n  \n")
+  with pytest.raises(ValueError, match="no documents"):
+    data.prepare(tok_dir, out, [str(bad)], fmt="jsonl", progress=False)
   empty = tmp_path / "empty.txt"
   empty.write_text("")
   with pytest.raises(ValueError, match="empty.txt: empty file"):
