@@ -48,7 +48,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
 _DTYPES = {"BF16": (np.uint16, 2), "F16": (np.float16, 2), "F32": (np.float32, 4)}
 _EXPORT_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
-_CHUNK = 1 << 22  # elements converted at a time: bounds the temporaries of a bf16 or transposed copy
+CHUNK = 1 << 22  # elements converted at a time: bounds the temporaries of a bf16 or transposed copy
 
 
 # ----------------------------------------------------------------------------- config.json
@@ -324,6 +324,8 @@ class Checkpoint:
         raise HFError(f"{where} has dtype {e.dtype}, expected one of {', '.join(_DTYPES)}")
       if e.nbytes != int(np.prod(e.shape)) * _DTYPES[e.dtype][1]:
         raise HFError(f"{where} spans {e.nbytes} bytes, which does not fit its shape and dtype")
+      if e.start + e.nbytes > e.file.stat().st_size:
+        raise HFError(f"{where} extends past the end of the file (truncated?)")
     for name, e in self.entries.items():
       if name in expected or name.endswith(".rotary_emb.inv_freq"):
         continue
@@ -357,19 +359,21 @@ class Checkpoint:
       rows = e.shape[0] if len(e.shape) > 1 else 1
       src2 = src.reshape(rows, -1)
       dst2 = dst.reshape(t.shape[::-1]) if t.transpose else dst.reshape(rows, -1)
-      step = max(1, _CHUNK // max(1, src2.shape[1]))
+      step = max(1, CHUNK // max(1, src2.shape[1]))
       for r in range(0, rows, step):
         part = _widen(src2[r:r + step])
         if t.transpose:
           dst2[:, r:r + step] = part.T
         else:
           dst2[r:r + step] = part
-      del src, src2
+        del part  # before the next chunk is widened, or two temporaries coexist
 
 
 def _widen(part: np.ndarray) -> np.ndarray:
   if part.dtype == np.uint16:  # bf16 is the top half of an fp32
-    return (part.astype(np.uint32) << 16).view(np.float32)
+    wide = part.astype(np.uint32)
+    wide <<= 16  # in place: one temporary, not two
+    return wide.view(np.float32)
   return part.astype(np.float32, copy=False)
 
 
@@ -396,7 +400,7 @@ def _write_safetensors(path: Path, items: list[tuple[str, str, np.ndarray]]):
     f.write(struct.pack("<Q", len(blob)))
     f.write(blob)
     for _, _, arr in items:
-      f.write(np.ascontiguousarray(arr).tobytes())
+      f.write(np.ascontiguousarray(arr).data)
 
 
 def export(out_dir: str | os.PathLike, cfg: ModelConfig, layouts: dict[str, Layout],
@@ -422,6 +426,8 @@ def export(out_dir: str | os.PathLike, cfg: ModelConfig, layouts: dict[str, Layo
   if dtype not in _EXPORT_DTYPES:
     raise HFError(f"dtype {dtype!r} unsupported ({', '.join(_EXPORT_DTYPES)})")
   st_dtype = _EXPORT_DTYPES[dtype]
+  if max_shard_bytes <= 0:
+    raise HFError(f"max_shard_bytes: {max_shard_bytes} must be > 0")
   out_dir = Path(out_dir).absolute()
   if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
     raise HFError(f"{out_dir}: exists and is not an empty directory")
@@ -503,8 +509,8 @@ def _write_shards(tmp: Path, cfg: ModelConfig, layouts: dict[str, Layout],
     for tname, arr in hf_tensors(layouts, name, np.asarray(flat, np.float32)):
       if st_dtype == "BF16":
         arr = bf16_bits(arr)
-      else:
-        arr = np.ascontiguousarray(arr, np.float16 if st_dtype == "F16" else np.float32)
+      else:  # a copy even when no conversion is needed: the caller may reuse `flat` next group
+        arr = np.array(arr, np.float16 if st_dtype == "F16" else np.float32, order="C")
       if pending and pending_bytes + arr.nbytes > max_shard_bytes:
         flush()
       pending.append((tname, st_dtype, arr))

@@ -1,6 +1,7 @@
 """Hugging Face import/export against transformers' own models (torch and transformers: tests only)."""
 
 import json
+import tracemalloc
 
 import jax
 import jax.numpy as jnp
@@ -131,7 +132,7 @@ def test_model_fields_llama3_rope(saved):
   assert hf.model_fields(legacy) == f
 
 
-@pytest.mark.parametrize("family", ["llama3", "llama_tied", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_loss_and_gradients_match_torch_autograd(saved, family):
   d, m0 = saved(family)
   cfg, lays, flats = load(d)
@@ -157,7 +158,8 @@ def test_loss_and_gradients_match_torch_autograd(saved, family):
 
 @pytest.mark.parametrize("family,dtype", [("qwen2", torch.bfloat16), ("qwen3", torch.float16),
                                           ("llama_tied", torch.bfloat16)])
-def test_half_precision_import_is_exact(tmp_path, family, dtype):
+def test_half_precision_import_is_exact(tmp_path, monkeypatch, family, dtype):
+  monkeypatch.setattr(hf, "CHUNK", 100)  # each matrix is converted in several row blocks
   m = build(family, tmp_path, dtype)
   assert json.loads((tmp_path / "config.json").read_text())["dtype"] == str(dtype)[6:]
   cfg, lays, flats = load(tmp_path)
@@ -176,6 +178,15 @@ def special_values(m):
     m.model.embed_tokens.weight[0, :bits.size] = torch.from_numpy(bits.view(np.float32))
 
 
+def reused_buffer(flats):
+  """Groups streamed the way a device download would: one buffer, overwritten for each group."""
+  buf = np.empty(max(f.size for f in flats.values()), np.float32)
+  for name, flat in flats.items():
+    buf[:flat.size] = flat
+    yield name, buf[:flat.size]
+    buf[:] = np.nan
+
+
 def test_export_round_trip_with_source(tmp_path):
   src = tmp_path / "src"
   m = build("llama3", src)
@@ -186,7 +197,7 @@ def test_export_round_trip_with_source(tmp_path):
   cfg, lays, flats = load(src)
   want = state_dict_bits(m)
 
-  out32 = hf.export(tmp_path / "f32", cfg, lays, iter(flats.items()), dtype="float32",
+  out32 = hf.export(tmp_path / "f32", cfg, lays, reused_buffer(flats), dtype="float32",
                     source_dir=src, max_shard_bytes=20_000)
   n = len(list(out32.glob("model-*-of-*.safetensors")))
   assert n > 2 and (out32 / f"model-{n:05d}-of-{n:05d}.safetensors").exists()
@@ -286,6 +297,7 @@ def test_unsupported_config_is_a_one_line_error(saved, edit, parts):
     ("missing", ["model.layers.1.mlp.up_proj.weight", "missing"]),
     ("misshapen", ["model.layers.1.mlp.up_proj.weight", "[47, 32]", "[48, 32]"]),
     ("unexpected", ["model.layers.2.mlp.up_proj.weight", "unexpected"]),
+    ("truncated", ["model.safetensors: tensor", "past the end of the file"]),
 ])
 def test_bad_tensors_are_one_line_errors_before_anything_is_read(tmp_path, change, parts):
   build("llama_tied", tmp_path)
@@ -296,11 +308,37 @@ def test_bad_tensors_are_one_line_errors_before_anything_is_read(tmp_path, chang
     del tensors[name]
   elif change == "misshapen":
     tensors[name] = tensors[name][:-1]
-  else:
+  elif change == "unexpected":
     tensors["model.layers.2.mlp.up_proj.weight"] = tensors[name]
   safetensors.numpy.save_file(tensors, path)
+  if change == "truncated":
+    with open(path, "r+b") as f:
+      f.truncate(path.stat().st_size - 4)
   ckpt = hf.Checkpoint(tmp_path)
   cfg = ModelConfig(**ckpt.model_fields())
   with pytest.raises(hf.HFError) as e:
     ckpt.check(cfg, state_lib.layouts(cfg))
   one_line(e, str(tmp_path), *parts)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_import_holds_at_most_one_tensor_beside_the_state(tmp_path, dtype):
+  torch.manual_seed(0)
+  c = transformers.LlamaConfig(**{**BASE, "vocab_size": 2048, "hidden_size": 64,
+                                  "intermediate_size": 1024, "num_hidden_layers": 1})
+  transformers.AutoModelForCausalLM.from_config(c).to(dtype).save_pretrained(tmp_path)
+  ckpt = hf.Checkpoint(tmp_path)
+  cfg = ModelConfig(**ckpt.model_fields())
+  lays = state_lib.layouts(cfg)
+  ckpt.check(cfg, lays)
+  for g in hf.group_names(cfg):
+    out = np.zeros(lays[g if g in ("embed", "head") else "block"].size, np.float32)
+    largest = max(int(np.prod(t.shape)) for t in hf.tensors(lays, g)) * 4
+    assert out.nbytes > 2 * largest or g != "block_0"  # a whole-group temporary would show
+    tracemalloc.start()
+    try:
+      ckpt.read_group(cfg, lays, g, out)
+      peak = tracemalloc.get_traced_memory()[1]
+    finally:
+      tracemalloc.stop()
+    assert peak < largest + 64 * 1024, (g, peak, largest)
