@@ -189,7 +189,7 @@ _BLOCK_NAMES = {
 def _block_name(path: tuple[str, ...]) -> str | None:
   if path in _BLOCK_NAMES:
     return _BLOCK_NAMES[path]
-  if len(path) == 3 and path[0] == "attn" and path[1] in "qkvo" and path[2] in ("kernel", "bias"):
+  if len(path) == 3 and path[0] == "attn" and path[1] in ("q", "k", "v", "o") and path[2] in ("kernel", "bias"):
     return f"self_attn.{path[1]}_proj.{'weight' if path[2] == 'kernel' else 'bias'}"
   if len(path) == 3 and path[0] == "mlp" and path[2] == "kernel":
     return f"mlp.{path[1]}_proj.weight"
@@ -218,6 +218,7 @@ def tensors(layouts: dict[str, Layout], group: str) -> list[Tensor]:
 
 
 def group_names(cfg: ModelConfig) -> list[str]:
+  """The layer groups in forward order: embed, block_0 .. block_{L-1}, head."""
   return ["embed"] + [f"block_{i}" for i in range(cfg.layers)] + ["head"]
 
 

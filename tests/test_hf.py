@@ -321,6 +321,18 @@ def test_bad_tensors_are_one_line_errors_before_anything_is_read(tmp_path, chang
   one_line(e, str(tmp_path), *parts)
 
 
+def test_tied_lm_head_and_rotary_buffers_are_tolerated(tmp_path):
+  m = build("llama_tied", tmp_path)
+  path = tmp_path / "model.safetensors"
+  tensors = safetensors.numpy.load_file(path)
+  tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+  tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)
+  safetensors.numpy.save_file(tensors, path)
+  cfg, lays, flats = load(tmp_path)
+  np.testing.assert_array_equal(lays["embed"].unflatten(flats["embed"])["table"],
+                                m.model.embed_tokens.weight.detach().numpy())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_import_holds_at_most_one_tensor_beside_the_state(tmp_path, dtype):
   torch.manual_seed(0)
