@@ -29,7 +29,7 @@ from mtjax.state import Layout
 
 
 class HFError(ValueError):
-  """A Hugging Face checkpoint or config cannot be used; the message names the file, key or tensor."""
+  """A Hugging Face checkpoint or config mtjax cannot use; the message names the file, key, tensor."""
 
 
 ARCHITECTURES = {  # architecture -> model_type, the four families mtjax computes exactly
@@ -105,7 +105,7 @@ def model_fields(config: dict, source: str = "config.json") -> dict:
 
 
 def _rope_fields(c: dict, source: str) -> dict:
-  # transformers 5 writes `rope_parameters` (theta inside); older files `rope_theta` + `rope_scaling`.
+  # transformers 5 writes `rope_parameters` (theta inside); older files rope_theta, rope_scaling.
   key = "rope_parameters" if c.get("rope_parameters") is not None else "rope_scaling"
   rope = c.get(key) or {}
   if not isinstance(rope, dict):
@@ -189,7 +189,8 @@ _BLOCK_NAMES = {
 def _block_name(path: tuple[str, ...]) -> str | None:
   if path in _BLOCK_NAMES:
     return _BLOCK_NAMES[path]
-  if len(path) == 3 and path[0] == "attn" and path[1] in ("q", "k", "v", "o") and path[2] in ("kernel", "bias"):
+  if (len(path) == 3 and path[0] == "attn" and path[1] in ("q", "k", "v", "o")
+      and path[2] in ("kernel", "bias")):
     return f"self_attn.{path[1]}_proj.{'weight' if path[2] == 'kernel' else 'bias'}"
   if len(path) == 3 and path[0] == "mlp" and path[2] == "kernel":
     return f"mlp.{path[1]}_proj.weight"
@@ -224,7 +225,7 @@ def group_names(cfg: ModelConfig) -> list[str]:
 
 def hf_tensors(layouts: dict[str, Layout], group: str, flat: np.ndarray
                ) -> Iterator[tuple[str, np.ndarray]]:
-  """(Hugging Face name, fp32 array in Hugging Face layout) for each tensor of a flat group vector."""
+  """(Hugging Face name, fp32 array in Hugging Face layout) per tensor of a flat group vector."""
   for t in tensors(layouts, group):
     n = int(np.prod(t.shape))
     arr = np.asarray(flat[t.offset:t.offset + n])
@@ -393,7 +394,8 @@ def _write_safetensors(path: Path, items: list[tuple[str, str, np.ndarray]]):
   """Writes (name, safetensors dtype, array) items; the data follows the header in item order."""
   header, off = {"__metadata__": {"format": "pt"}}, 0
   for name, dtype, arr in items:
-    header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [off, off + arr.nbytes]}
+    header[name] = {"dtype": dtype, "shape": list(arr.shape),
+                    "data_offsets": [off, off + arr.nbytes]}
     off += arr.nbytes
   blob = json.dumps(header, separators=(",", ":")).encode()
   blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as the format recommends

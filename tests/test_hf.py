@@ -1,4 +1,4 @@
-"""Hugging Face import/export against transformers' own models (torch and transformers: tests only)."""
+"""Hugging Face import/export against transformers' own models (torch, transformers: tests only)."""
 
 import json
 import tracemalloc
