@@ -29,7 +29,7 @@ from mtjax.state import Layout
 
 
 class HFError(ValueError):
-  """A Hugging Face checkpoint or config mtjax cannot use; the message names the file, key, tensor."""
+  """A Hugging Face checkpoint or config that mtjax cannot use; the message names what and where."""
 
 
 ARCHITECTURES = {  # architecture -> model_type, the four families mtjax computes exactly
