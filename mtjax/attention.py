@@ -103,8 +103,16 @@ class _Layout:
     # One transpose of k and v up front (O(S) bytes) rather than one per block visit.
     self.k_BxKxSpxH = _pad_axis(k_BxSxKxH, 1, self.Sp).transpose(0, 2, 1, 3)
     self.v_BxKxSpxH = _pad_axis(v_BxSxKxH, 1, self.Sp).transpose(0, 2, 1, 3)
-    self.seg_q_BxTp = None if seg_q_BxT is None else _pad_axis(seg_q_BxT, 1, self.Tp)
-    self.seg_k_BxSp = None if seg_k_BxS is None else _pad_axis(seg_k_BxS, 1, self.Sp)
+    self.seg_q_BxTp = self.seg_k_BxSp = None
+    if seg_q_BxT is not None:
+      # Edge padding keeps each block's id range as tight as its real rows (padded keys are
+      # masked by position anyway; padded query rows are dropped).
+      pad = lambda x, n: jnp.pad(x, ((0, 0), (0, n - x.shape[1])), mode="edge")
+      self.seg_q_BxTp, self.seg_k_BxSp = pad(seg_q_BxT, self.Tp), pad(seg_k_BxS, self.Sp)
+      q_Bxnqxbq = self.seg_q_BxTp.reshape(B, self.nq, cfg.bq)
+      k_Bxnkxbk = self.seg_k_BxSp.reshape(B, self.nk, cfg.bk)
+      self.q_lo_Bxnq, self.q_hi_Bxnq = q_Bxnqxbq.min(axis=2), q_Bxnqxbq.max(axis=2)
+      self.k_lo_Bxnk, self.k_hi_Bxnk = k_Bxnkxbk.min(axis=2), k_Bxnkxbk.max(axis=2)
 
   def heads_first(self, x_BxTxNxH):
     """[B, T, N, H] -> [B, K, G, Tp, H]: the group axis G stays beside K, so k/v are never repeated."""
@@ -133,6 +141,19 @@ class _Layout:
     if not self.cfg.causal:
       return 0
     return (j * self.cfg.bk) // self.cfg.bq
+
+  def if_segments_meet(self, i, j, compute, skip, *operands):
+    """compute(*operands) if query block i and key block j can share a document id, else skip.
+
+    Disjoint id ranges mean no query of the block sees any key of the other; with packed
+    documents (ids nondecreasing along the row) this skips all but the blocks near the diagonal
+    that a document spans, so the cost follows the documents' lengths, not T.
+    """
+    if self.seg_q_BxTp is None:
+      return compute(*operands)
+    meet = jnp.any((self.q_lo_Bxnq[:, i] <= self.k_hi_Bxnk[:, j])
+                   & (self.k_lo_Bxnk[:, j] <= self.q_hi_Bxnq[:, i]))
+    return lax.cond(meet, compute, skip, *operands)
 
   def scores(self, q_BxKxGxbqxH, i, j):
     """Scaled fp32 scores of query block i against key block j, and where they are visible."""
@@ -163,6 +184,9 @@ def _forward(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, seg_q_BxT, seg_k_BxS, cfg):
     q_BxKxGxbqxH = lay.q_slice(lay.q_BxKxGxTpxH, i)
 
     def kv_step(j, carry):
+      return lay.if_segments_meet(i, j, functools.partial(kv_update, j), lambda c: c, carry)
+
+    def kv_update(j, carry):
       m_BxKxGxbq, l_BxKxGxbq, acc_BxKxGxbqxH = carry
       s, visible = lay.scores(q_BxKxGxbqxH, i, j)
       m_new = jnp.maximum(m_BxKxGxbq, s.max(axis=-1))
@@ -219,7 +243,17 @@ def _attention_bwd(cfg, residuals, dout_BxTxNxH):
     v_BxKxbkxH = lay.k_slice(lay.v_BxKxSpxH, j)
 
     def q_step(i, carry):
-      dq, dk_BxKxbkxH, dv_BxKxbkxH = carry
+      dq, dk_dv = carry
+      # The cond carries only this block's terms: the full dq stays outside it, updated in place.
+      dq_blk, dk_dv = lay.if_segments_meet(i, j, functools.partial(q_update, i), skip, dk_dv)
+      dq = lax.dynamic_update_slice_in_dim(dq, lay.q_slice(dq, i) + dq_blk, i * cfg.bq, axis=3)
+      return dq, dk_dv
+
+    def skip(dk_dv):
+      return jnp.zeros((B, K, G, cfg.bq, H), jnp.float32), dk_dv
+
+    def q_update(i, dk_dv):
+      dk_BxKxbkxH, dv_BxKxbkxH = dk_dv
       q_BxKxGxbqxH = lay.q_slice(lay.q_BxKxGxTpxH, i)
       do_BxKxGxbqxH = lay.q_slice(dout_BxKxGxTpxH, i)
       s, visible = lay.scores(q_BxKxGxbqxH, i, j)
@@ -237,13 +271,12 @@ def _attention_bwd(cfg, residuals, dout_BxTxNxH):
           preferred_element_type=jnp.float32)
       dq_blk = jnp.einsum("bkgqs,bksh->bkgqh", ds.astype(k_BxKxbkxH.dtype), k_BxKxbkxH,
                           preferred_element_type=jnp.float32)
-      dq = lax.dynamic_update_slice_in_dim(dq, lay.q_slice(dq, i) + dq_blk, i * cfg.bq, axis=3)
-      return dq, dk_BxKxbkxH, dv_BxKxbkxH
+      return dq_blk, (dk_BxKxbkxH, dv_BxKxbkxH)
 
-    init = (dq_BxKxGxTpxH, jnp.zeros((B, K, bk, H), jnp.float32),
-            jnp.zeros((B, K, bk, H), jnp.float32))
-    dq, dk, dv = lax.fori_loop(lay.first_q_block_seeing(j), lay.nq, q_step, init)
-    return dq, (dk, dv)
+    init = (dq_BxKxGxTpxH, (jnp.zeros((B, K, bk, H), jnp.float32),
+                            jnp.zeros((B, K, bk, H), jnp.float32)))
+    dq, dk_dv = lax.fori_loop(lay.first_q_block_seeing(j), lay.nq, q_step, init)
+    return dq, dk_dv
 
   dq0 = jnp.zeros((B, K, G, lay.Tp, H), jnp.float32)
   dq_BxKxGxTpxH, (dk_nkxBxKxbkxH, dv_nkxBxKxbkxH) = lax.scan(kv_block, dq0, jnp.arange(lay.nk))

@@ -127,6 +127,14 @@ def test_cross_lengths_match_naive(T, S, causal):
   assert_fp32_close(*both(q, k, v, ct, causal=causal, q_block=8, kv_block=16))
 
 
+def test_unsorted_segment_ids_match_naive():
+  """Ids need not be sorted: a block is skipped only when its id range misses the other's."""
+  q, k, v, ct = random_qkv(2, 24, 24, 4, 2, 8, jnp.float32, seed=11)
+  seg = jnp.asarray(np.random.default_rng(11).integers(0, 3, (2, 24)), jnp.int32)
+  seg = seg.at[:, 16:].set(7)  # the last query block shares no id with the first key blocks
+  assert_fp32_close(*both(q, k, v, ct, seg, seg, causal=False, q_block=8, kv_block=8))
+
+
 def test_rows_without_visible_keys_are_zero_not_nan():
   T, S = 12, 10
   q, k, v, ct = random_qkv(2, T, S, 2, 2, 8, jnp.float32, seed=3)
