@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,21 +60,16 @@ def blockwise_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: j
   if q_block < 1 or kv_block < 1:
     raise ValueError(f"block sizes must be positive, got {q_block}, {kv_block}")
   scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
-  cfg = _Cfg(causal=bool(causal), bq=min(q_block, T), bk=min(kv_block, S), scale=scale)
+  cfg = _Cfg(bool(causal), min(q_block, T), min(kv_block, S), scale)
   return _attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segments_q_BxT, segments_k_BxS, cfg)
 
 
-class _Cfg(tuple):
-  """Static settings (hashable, so they can be a custom_vjp nondiff argument)."""
-  __slots__ = ()
-
-  def __new__(cls, *, causal, bq, bk, scale):
-    return super().__new__(cls, (causal, bq, bk, scale))
-
-  causal = property(lambda self: self[0])
-  bq = property(lambda self: self[1])
-  bk = property(lambda self: self[2])
-  scale = property(lambda self: self[3])
+class _Cfg(NamedTuple):
+  """Static settings: hashable, so they ride along as the custom_vjp's nondiff argument."""
+  causal: bool
+  bq: int  # query rows per block
+  bk: int  # keys per block
+  scale: float
 
 
 def _ceil_div(a, b):
@@ -115,7 +111,7 @@ class _Layout:
       self.k_lo_Bxnk, self.k_hi_Bxnk = k_Bxnkxbk.min(axis=2), k_Bxnkxbk.max(axis=2)
 
   def heads_first(self, x_BxTxNxH):
-    """[B, T, N, H] -> [B, K, G, Tp, H]: the group axis G stays beside K, so k/v are never repeated."""
+    """[B, T, N, H] -> [B, K, G, Tp, H]: the group axis sits beside K, so k/v are never repeated."""
     x = _pad_axis(x_BxTxNxH, 1, self.Tp).reshape(self.B, self.Tp, self.K, self.G, self.H)
     return x.transpose(0, 2, 3, 1, 4)
 
@@ -225,7 +221,7 @@ def _attention_fwd(q, k, v, seg_q, seg_k, cfg):
 
 
 def _attention_bwd(cfg, residuals, dout_BxTxNxH):
-  """Flash-attention-2 backward: one pass over key blocks, each visiting the query blocks it reaches.
+  """Flash-attention-2 backward: one pass over key blocks, each visiting the query blocks it feeds.
 
   dk and dv of a key block accumulate in the inner loop and leave as that block's scan output;
   dq accumulates across key blocks in one fp32 [B, K, G, Tp, H] carry, updated in place.
