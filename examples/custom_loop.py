@@ -2,10 +2,9 @@
 
 python examples/custom_loop.py            (tiny shapes, CPU is fine)
 """
-import jax
 import numpy as np
 
-from mtjax import config, data, engine, state
+from mtjax import config, data, engine, plan, store
 
 cfg = config.from_dict({
     "model": {"vocab_size": 128, "hidden": 64, "layers": 3, "heads": 4, "kv_heads": 2, "ffn": 160},
@@ -13,7 +12,12 @@ cfg = config.from_dict({
     "engine": {"compute_dtype": "float32"},
     "train": {"steps": 30, "batch": 8, "seq": 32},
 })
-host = state.create(cfg.model, jax.random.key(0))  # fp32 weights + AdamW moments, in host memory
+# Before anything touches jax: plan the run (caps the pinned host pool, sets the device memory it
+# may use, places each layer group's state, refuses what cannot fit) and take the resolved config.
+cfg, p = plan.prepare(cfg)
+import jax  # noqa: E402 - after prepare, as the backend reads its settings when it starts
+
+host = store.create(cfg, jax.random.key(0))  # fp32 weights + AdamW moments, placed by the plan
 eng = engine.Engine(cfg, host)
 
 # Gradients alone (no update), streamed layer by layer: one fp32 vector per layer, in host memory.

@@ -18,6 +18,7 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
+  from_hf: str | None = None  # a Hugging Face model directory: its config.json sets the shape, its safetensors the initial weights
   vocab_size: int = 256  # tokens in the vocabulary
   hidden: int = 64  # model width D
   layers: int = 2  # number of transformer blocks
@@ -61,7 +62,8 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-  impl: Literal["fused", "optax"] = "fused"  # fused: in-place numba AdamW; optax: optax.adamw on XLA:CPU
+  name: Literal["adamw", "adam", "lion", "sgd", "adafactor"] = "adamw"  # the optax optimizer
+  impl: Literal["fused", "optax"] = "fused"  # adamw only; fused: in-place numba AdamW; optax: optax.adamw on XLA:CPU
   lr: float = 3e-4  # peak learning rate
   min_lr_ratio: float = 0.1  # cosine floor as a fraction of lr
   warmup_steps: int = 10  # linear warmup from 0 to lr
@@ -69,11 +71,11 @@ class OptimConfig:
   b1: float = 0.9  # AdamW beta1
   b2: float = 0.95  # AdamW beta2
   eps: float = 1e-8  # AdamW epsilon
+  momentum: float = 0.9  # sgd momentum (0: plain sgd)
   weight_decay: float = 0.1  # decoupled weight decay on matrices (not norms, biases)
   clip_norm: float | None = None  # global-norm clip threshold; None disables clipping
   clip_mode: Literal["host_buffer", "recompute"] = "host_buffer"  # how exact global clipping gets every norm first
   threads: int | None = None  # host optimizer threads; None means all cores
-  chunk: int = 0  # elements per dynamically scheduled chunk of the host AdamW; 0 splits the loop statically
 
   def __post_init__(self):
     if self.lr < 0 or not 0 <= self.min_lr_ratio <= 1:
@@ -84,8 +86,8 @@ class OptimConfig:
       raise ConfigError("optim.eps must be > 0, optim.weight_decay and optim.warmup_steps >= 0")
     if self.clip_norm is not None and self.clip_norm <= 0:
       raise ConfigError(f"optim.clip_norm: {self.clip_norm} must be > 0 or null")
-    if self.chunk < 0:
-      raise ConfigError(f"optim.chunk: {self.chunk} must be >= 0")
+    if not 0 <= self.momentum < 1:
+      raise ConfigError(f"optim.momentum: {self.momentum} must be in [0, 1)")
     if self.threads is not None and self.threads <= 0:
       raise ConfigError(f"optim.threads: {self.threads} must be > 0 or null")
 
@@ -93,33 +95,40 @@ class OptimConfig:
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
   compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # dtype of weights and activations on device
-  checkpoints: Literal["device", "host"] = "device"  # where each layer's saved input lives between passes
+  activations: Literal["device", "host"] = "device"  # where each block's saved input lives between forward and backward
   micro_batch: int | None = None  # sequences per chunk inside a layer; None means the whole batch
   loss_chunk: int = 1024  # tokens per LM-head chunk, so full logits never exist
   attention: Literal["auto", "xla", "cudnn"] = "auto"  # dot_product_attention implementation
   matmul_precision: Literal["default", "high", "highest"] = "default"  # highest: true fp32 matmuls on GPU (no TF32)
-  overlap: bool = True  # False runs every copy and update serially (the ablation)
   inflight_layers: int = 2  # layers the host may queue ahead of the device (bounds device memory)
   grad_queue: int = 4  # gradients awaiting the host optimizer before the device waits (bounds host buffers)
-  device_update_layers: int | Literal["auto"] = 0  # last N layers of the backward (embedding, block 0, 1, ...) updated on the device, m and v streamed through it; auto: the planner picks
+  device_state_layers: int | Literal["auto"] = "auto"  # first N layer groups (embedding, block 0, ...) whose weights and optimizer state live in device memory; auto: as few as make host RAM suffice
+  device_update_layers: int | Literal["auto"] = 0  # the next N groups are updated on the device, their optimizer state streamed through it; auto: the planner picks
+  device_memory_gb: float | None = None  # device memory the run may use (as on a smaller card); None: 92% of the device
 
   def __post_init__(self):
     _positive(self, "loss_chunk", "inflight_layers", "grad_queue")
-    if self.device_update_layers != "auto" and self.device_update_layers < 0:
-      raise ConfigError(f"engine.device_update_layers: {self.device_update_layers} must be >= 0")
+    for key in ("device_state_layers", "device_update_layers"):
+      n = getattr(self, key)
+      if n != "auto" and n < 0:
+        raise ConfigError(f"engine.{key}: {n} must be >= 0")
+    if self.device_memory_gb is not None and not 0 < self.device_memory_gb < 1e6:
+      raise ConfigError(f"engine.device_memory_gb: {self.device_memory_gb} must be > 0")
     if self.micro_batch is not None and self.micro_batch <= 0:
       raise ConfigError(f"engine.micro_batch: {self.micro_batch} must be > 0 or null")
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  source: Literal["synthetic", "tokens"] = "synthetic"  # synthetic: learnable arithmetic sequences
-  path: str | None = None  # flat token file (raw uint16/uint32) when source = tokens
-  dtype: Literal["uint16", "uint32"] = "uint16"  # element type of the token file
+  source: Literal["synthetic", "tokens", "prepared"] = "synthetic"  # prepared: `mtjax.data prepare` output
+  path: str | None = None  # token file (source = tokens) or prepared directory
+  dtype: Literal["uint16", "uint32"] = "uint16"  # token file element type (prepared: meta.json)
+  mode: Literal["packed", "padded"] = "packed"  # prepared: documents packed per row, or one padded per row
+  split: Literal["train", "val"] = "train"  # prepared: the split training batches come from
 
   def __post_init__(self):
-    if self.source == "tokens" and not self.path:
-      raise ConfigError("data.path: required when data.source is 'tokens'")
+    if self.source in ("tokens", "prepared") and not self.path:
+      raise ConfigError(f"data.path: required when data.source is '{self.source}'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,11 +141,17 @@ class TrainConfig:
   checkpoint_dir: str | None = None  # where orbax checkpoints go; None saves none
   checkpoint_every: int = 0  # steps between checkpoints; 0 saves only at the end
   resume: bool = True  # continue from the newest checkpoint in checkpoint_dir, if there is one
+  eval_every: int = 0  # steps between held-out evaluations on the prepared data's val split; 0: none
+  eval_batches: int = 16  # at most this many held-out batches per evaluation
+  export_dir: str | None = None  # at the end, write the weights as a Hugging Face directory here
+  export_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # tensor dtype of that export
 
   def __post_init__(self):
     _positive(self, "steps", "batch", "seq", "log_every")
     if self.checkpoint_every < 0:
       raise ConfigError(f"train.checkpoint_every: {self.checkpoint_every} must be >= 0")
+    if self.eval_every < 0 or self.eval_batches <= 0:
+      raise ConfigError("train.eval_every must be >= 0 and train.eval_batches > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,13 +163,18 @@ class Config:
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
 
   def __post_init__(self):
+    if self.train.eval_every and self.data.source != "prepared":
+      raise ConfigError("train.eval_every: held-out loss needs data.source 'prepared' (its val split)")
     mb = self.engine.micro_batch
     if mb is not None and self.train.batch % mb:
       raise ConfigError(f"engine.micro_batch: {mb} does not divide train.batch ({self.train.batch})")
     groups = self.model.layers + 2
-    if self.engine.device_update_layers != "auto" and self.engine.device_update_layers > groups:
-      raise ConfigError(f"engine.device_update_layers: {self.engine.device_update_layers} exceeds the "
-                        f"{groups} layer groups (embedding, {self.model.layers} blocks, head)")
+    fixed = [(k, getattr(self.engine, k)) for k in ("device_state_layers", "device_update_layers")
+             if getattr(self.engine, k) != "auto"]
+    if sum(n for _, n in fixed) > groups:
+      raise ConfigError(f"engine.{fixed[-1][0]}: {' + '.join(str(n) for _, n in fixed)} device "
+                        f"groups exceed the {groups} layer groups (embedding, {self.model.layers} "
+                        f"blocks, head)")
 
   @property
   def decay_steps(self) -> int:
@@ -264,9 +284,29 @@ def from_dict(raw: dict) -> Config:
 
 
 def load(path: str | Path | None, overrides: list[str] = ()) -> Config:
-  """Reads YAML (with `base:` files merged first, relative to it), then applies dotted overrides."""
+  """Reads YAML (with `base:` files merged first, relative to it), then applies dotted overrides;
+  with `model.from_hf` the model's shape comes from that directory's config.json."""
   raw = _read_yaml(Path(path)) if path else {}
-  return from_dict(apply_overrides(raw, list(overrides)))
+  return from_dict(with_hf_shape(apply_overrides(raw, list(overrides))))
+
+
+def with_hf_shape(raw: dict) -> dict:
+  """Fills the model section from `model.from_hf`'s config.json; a shape key the user also set
+  must agree with it."""
+  model = raw.get("model")
+  if not isinstance(model, dict) or not model.get("from_hf"):
+    return raw
+  from mtjax import hf  # noqa: PLC0415 - hf imports this module
+  directory = Path(str(model["from_hf"])).expanduser()
+  try:
+    fields = hf.Checkpoint(directory).model_fields()
+  except (hf.HFError, OSError) as e:
+    raise ConfigError(f"model.from_hf: {e}") from None
+  for k, v in fields.items():
+    if k in model and model[k] != v:
+      raise ConfigError(f"model.{k}: {model[k]!r} differs from {directory}/config.json ({v!r}); "
+                        "leave it out")
+  return {**raw, "model": {**fields, **model, "from_hf": str(directory)}}
 
 
 def _read_yaml(path: Path) -> dict:

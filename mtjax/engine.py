@@ -1,23 +1,25 @@
-"""The streaming engine: one training step over host-resident state, one layer on the device at a time.
+"""The streaming engine: one training step over the layer store, one layer on the device at a time.
 
-Data flow of a step (group index g: 0 = embedding, 1..L = blocks, L+1 = head):
+A step, as `Engine.step` reads top to bottom (group index g: 0 = embedding, 1..L = blocks,
+L+1 = head):
 
-  forward   for each layer: copy weights host->device (layer g+1's copy is issued before layer g's
-            kernel, so it overlaps), save the layer's input (device, or host by policy), run the
-            compiled layer template.
-  head      chunked LM head + cross-entropy; returns the mean loss, its gradient w.r.t. the last
-            hidden state, and the head's weight gradient, without ever holding [tokens x vocab].
-  backward  for each block in reverse: prefetch the previous block's weights (and saved input),
-            re-run this block's forward from its saved input under `jax.vjp`, pull back the
-            cotangent; the fp32 weight gradient leaves for pinned host memory at once.
-  update    the host optimizer applies AdamW to each layer as its gradient lands, on a worker
-            thread, while the device works on the next layer. The next step's forward copies a
-            layer only after that layer's update has finished.
+  forward   for each group: ask the store for its weights (group g+1's copy is issued before
+            group g's kernel, so it overlaps), save the block's input (device, or pinned host by
+            `engine.activations`), run the compiled layer template `(weights, x, ctx)`.
+  head      chunked LM head + cross-entropy: the loss, its gradient w.r.t. the last hidden state
+            and the head's weight gradient, without ever holding [tokens x vocab].
+  backward  for each block in reverse: the previous block's weights (and saved input) are
+            prefetched, this block's forward is re-run from its saved input under `jax.vjp` and the
+            cotangent pulled back; the fp32 weight gradient goes to the clip policy at once.
+  update    the clip policy hands each gradient to the store (`commit`), which updates the group
+            where its state lives: the host optimizer thread for host groups (overlapped with the
+            device's work on the next layer), the device for device and stream groups.
 
-With exact global-norm clipping the updates need the global norm first: `host_buffer` keeps every
-gradient in host memory until the backward ends (+4 bytes/param, updates start after the backward);
-`recompute` runs a norm-only backward first and a second, applying backward after it (no extra
-host bytes, one more backward of device work).
+Clipping is a policy the loop calls, not a copy of the loop: `none` commits each gradient as it
+lands; `host_buffer` holds them (host groups' in pinned host memory, +4 B/param) until the global
+norm is known after the backward; `recompute` runs a norm-only backward first and an applying one
+after it (no extra memory, one more backward of device work). Device scalars (loss, norms) are read
+once a step, after the backward has been queued.
 """
 
 from __future__ import annotations
@@ -30,13 +32,13 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import SingleDeviceSharding
 
-from mtjax import model, plan as plan_lib
+from mtjax import model
 from mtjax.config import Config, ModelConfig
 from mtjax.data import Batch
-from mtjax.optimizer import HostOptimizer, adamw_on_device, clip_scale
-from mtjax.state import HostState, Layout, host_memory_kind
+from mtjax.optimizer import clip_scale
+from mtjax.state import Layout, layouts
+from mtjax.store import LayerStore
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
@@ -46,9 +48,9 @@ class LayerFns:
   """Pure functions of one layer's flat fp32 weights; the engine jits each once per layer kind."""
   embed_fwd: callable  # (w, tokens_BxT) -> x_BxTxD
   embed_bwd: callable  # (tokens_BxT, dx_BxTxD) -> g_w
-  block_fwd: callable  # (w, x_BxTxD) -> y_BxTxD
-  block_bwd: callable  # (w, x_BxTxD, dy_BxTxD) -> (dx_BxTxD, g_w, |g_w|^2)
-  head_step: callable  # (w_head, w_table | None, x_BxTxD, targets_BxT, weight) -> (loss, dx, g_head, g_table)
+  block_fwd: callable  # (w, x_BxTxD, ctx) -> y_BxTxD
+  block_bwd: callable  # (w, x_BxTxD, ctx, dy_BxTxD) -> (dx_BxTxD, g_w, |g_w|^2)
+  head_step: callable  # (w_head, w_table | None, x_BxTxD, targets_BxT, weights_BxT) -> (loss, dx, g_head, g_table)
 
 
 def _micro(x, n):
@@ -73,42 +75,43 @@ def layer_fns(cfg: ModelConfig, lays: dict[str, Layout], compute_dtype, micro_ba
     g_VxD = g_VxD.at[tokens_BxT.reshape(-1)].add(dx_BxTxD.reshape(-1, cfg.hidden).astype(jnp.float32))
     return g_VxD.reshape(-1)
 
-  def apply_block(wc, x):
-    return block.apply({"params": lays["block"].unflatten(wc)}, x)
+  def apply_block(wc, x, ctx):
+    return block.apply({"params": lays["block"].unflatten(wc)}, x, ctx)
 
   def n_micro(x):
     return 1 if micro_batch is None else x.shape[0] // micro_batch
 
-  def block_fwd(w, x_BxTxD):
+  def block_fwd(w, x_BxTxD, ctx):
     wc = w.astype(cd)
     n = n_micro(x_BxTxD)
     if n == 1:
-      return apply_block(wc, x_BxTxD)
-    return jax.lax.map(lambda xm: apply_block(wc, xm), _micro(x_BxTxD, n)).reshape(x_BxTxD.shape)
+      return apply_block(wc, x_BxTxD, ctx)
+    y = jax.lax.map(lambda xs: apply_block(wc, *xs), (_micro(x_BxTxD, n), ctx.micro(n)))
+    return y.reshape(x_BxTxD.shape)
 
-  def block_bwd(w, x_BxTxD, dy_BxTxD):
+  def block_bwd(w, x_BxTxD, ctx, dy_BxTxD):
     wc = w.astype(cd)
     n = n_micro(x_BxTxD)
 
     def one(acc, xs):
-      xm, dym = xs
-      _, pullback = jax.vjp(apply_block, wc, xm)  # re-materialises this chunk's forward
+      xm, cm, dym = xs
+      _, pullback = jax.vjp(lambda wc, xm: apply_block(wc, xm, cm), wc, xm)  # re-materialises the forward
       g, dxm = pullback(dym)
       return acc + g.astype(jnp.float32), dxm
 
     g, dx = jax.lax.scan(one, jnp.zeros(w.shape, jnp.float32),
-                         (_micro(x_BxTxD, n), _micro(dy_BxTxD, n)))
+                         (_micro(x_BxTxD, n), ctx.micro(n), _micro(dy_BxTxD, n)))
     return dx.reshape(x_BxTxD.shape), g, jnp.sum(g * g)
 
-  def head_step(w_head, w_table, x_BxTxD, targets_BxT, weight):
-    """Mean-loss value and gradients, one chunk of `loss_chunk` tokens at a time."""
+  def head_step(w_head, w_table, x_BxTxD, targets_BxT, weights_BxT):
+    """Weighted loss sum and gradients, one chunk of `loss_chunk` tokens at a time."""
     B, T, D = x_BxTxD.shape
     N = B * T
     C = min(loss_chunk, N)
     pad = (-N) % C
     x_NxD = jnp.pad(x_BxTxD.reshape(N, D), ((0, pad), (0, 0)))
     t_N = jnp.pad(targets_BxT.reshape(N), (0, pad))
-    wt_N = jnp.pad(jnp.full((N,), weight, jnp.float32), (0, pad))  # padding weighs 0
+    wt_N = jnp.pad(weights_BxT.reshape(N), (0, pad))  # padding weighs 0
 
     def chunk_loss(wh, wt, x_CxD, t_C, wt_C):
       table = None if wt is None else wt.astype(cd).reshape(cfg.vocab_size, D)
@@ -148,28 +151,113 @@ def attention_impl(choice: str, device: jax.Device, compute_dtype: str, cfg: Mod
 @dataclasses.dataclass
 class StepStats:
   step: int  # update number just applied (1-based)
-  loss: float  # mean token cross-entropy before the update
+  loss: float  # mean token cross-entropy before the update (weighted by the batch's loss weights)
   grad_norm: float  # global L2 norm of the unclipped gradient
   lr: float  # learning rate of this update
   step_s: float  # wall time of the step as seen by the host
-  opt_wait_s: float  # host time spent waiting for the optimizer thread
+  opt_wait_s: float  # host time spent waiting for the host optimizer
   tokens: int  # tokens in the global batch
 
 
-class Engine:
-  """Runs training steps over a HostState, streaming one layer at a time through `device`."""
+@dataclasses.dataclass
+class _Inputs:
+  tokens: jax.Array  # [B, T] int32 on the device
+  targets: jax.Array  # [B, T] int32
+  weights: jax.Array  # [B, T] fp32: each target's share of the loss (they sum to 1)
+  ctx: model.Ctx
 
-  def __init__(self, cfg: Config, state: HostState, device: jax.Device | None = None):
+
+# ---- clip policies: what happens to each gradient the backward produces --------------------------
+
+class _NoClip:
+  """Each gradient goes to the store as soon as it exists."""
+  passes = (True,)
+
+  def __init__(self, engine):
+    self.engine, self.sq = engine, {}
+
+  def sink(self, applying: bool):
+    def take(idx, g, sq, w):
+      self.sq[idx] = sq
+      self.engine._commit(idx, g, 1.0, w)
+    return take
+
+  def norm(self) -> float:
+    return math.sqrt(sum(float(s) for s in self.sq.values()))
+
+  def between_passes(self):
+    pass
+
+  def finish(self) -> float:
+    return self.norm()
+
+
+class _HostBuffer(_NoClip):
+  """Gradients wait (host groups' in pinned host memory) until the global norm is known."""
+
+  def __init__(self, engine):
+    super().__init__(engine)
+    self.held = {}
+
+  def sink(self, applying):
+    store = self.engine.store
+
+    def take(idx, g, sq, w):
+      self.sq[idx] = sq
+      host = store.groups[idx].tier == "host"
+      self.held[idx] = (store.to_host(g) if host else g, w)
+    return take
+
+  def finish(self):
+    norm = self.norm()  # waits for the backward to end
+    scale = clip_scale(norm, self.engine.cfg.optim.clip_norm)
+    for idx, (g, w) in self.held.items():  # in backward order, as they were produced
+      self.engine._commit(idx, g, scale, w)
+    self.held.clear()
+    return norm
+
+
+class _Recompute(_NoClip):
+  """A norm-only backward first, then an applying one with the scale known."""
+  passes = (False, True)
+
+  def __init__(self, engine):
+    super().__init__(engine)
+    self.scale = None
+
+  def sink(self, applying):
+    if not applying:
+      return lambda idx, g, sq, w: self.sq.__setitem__(idx, sq)
+    return lambda idx, g, sq, w: self.engine._commit(idx, g, self.scale, w)
+
+  def between_passes(self):
+    self.scale = clip_scale(self.norm(), self.engine.cfg.optim.clip_norm)
+
+
+def _clip_policy(engine):
+  o = engine.cfg.optim
+  if o.clip_norm is None:
+    return _NoClip(engine)
+  return _HostBuffer(engine) if o.clip_mode == "host_buffer" else _Recompute(engine)
+
+
+class Engine:
+  """Runs training steps over a LayerStore, streaming one layer at a time through its device.
+
+  Args:
+    cfg: a resolved config (no `auto` left: `mtjax.plan.prepare` resolves it).
+    store: the training state.
+    overlap: False waits for every copy and update as it is issued (the benchmark's ablation).
+  """
+
+  def __init__(self, cfg: Config, store: LayerStore, overlap: bool = True):
     self.cfg = cfg
-    self.state = state
-    self.device = device or jax.devices()[0]
-    self.on_device = SingleDeviceSharding(self.device)
-    kind = host_memory_kind(self.device)
-    self.on_host = SingleDeviceSharding(self.device, memory_kind=kind) if kind else None
+    self.store = store
+    self.overlap = overlap
+    self.device = store.mesh.devices.flat[0]
     e = cfg.engine
-    self.overlap = e.overlap
     self.attention = attention_impl(e.attention, self.device, e.compute_dtype, cfg.model)
-    fns = layer_fns(cfg.model, state.layouts, DTYPES[e.compute_dtype], e.micro_batch,
+    fns = layer_fns(cfg.model, store.layouts, DTYPES[e.compute_dtype], e.micro_batch,
                     e.loss_chunk, self.attention)
     self.fns = fns
 
@@ -183,61 +271,31 @@ class Engine:
     self._embed_bwd = jit(fns.embed_bwd)
     self._block_fwd = jit(fns.block_fwd)
     # The incoming cotangent dies here: its buffer becomes the outgoing one.
-    self._block_bwd = jit(fns.block_bwd, donate_argnums=(2,))
+    self._block_bwd = jit(fns.block_bwd, donate_argnums=(3,))
     self._block_bwd_keep = jit(fns.block_bwd)  # norm-only pass of clip_mode=recompute
     self._head = jit(fns.head_step)
     self._sumsq = jax.jit(lambda g: jnp.sum(g * g))
     self._add = jax.jit(jnp.add)
-    self.opt = HostOptimizer(cfg.optim, cfg.decay_steps)
-    # Groups [0, n_device) -- the last ones the backward reaches -- are updated on the device:
-    # their moments cross the link (pinned buffers, so by DMA) and their updated weights stay on
-    # the device for the next forward, which needs exactly these layers first.
-    self.n_device = e.device_update_layers
-    if self.n_device == "auto":
-      self.n_device = plan_lib.choose_device_updates(
-          cfg, plan_lib.device_memory_limit(self.device), host_limit=plan_lib.host_memory_limit())
-    for g in state.groups[:self.n_device]:
-      g.pin(self.device, ("m", "v"))
-    self._device_adamw = jax.jit(adamw_on_device, static_argnums=(6,), donate_argnums=(0, 1, 2))
-    self._resident: dict[int, jax.Array] = {}  # group -> its current fp32 weights on the device
-    self._stale: set[int] = set()  # groups whose host w lags the device's until sync()
-    self._resident_version = state.version
-    self._moments: dict[int, tuple] = {}  # group -> (m, v) on the device, prefetched
-    self.tracer = None  # benchmarks set an object with .issued(lane, group, phase, array)
+    # Benchmarks set a callable(lane, group, phase, array) told of every copy and kernel issued.
+    self.observer = None
     self._phase = "fwd"
+    self._inflight = collections.deque()
 
-  def _trace(self, lane: str, idx: int, arr):
-    if self.tracer is not None:
-      self.tracer.issued(lane, idx, self._phase, arr)
+  # ---- small helpers ---------------------------------------------------------------------------
 
-  # ---- transfers -------------------------------------------------------------------------------
+  def _observe(self, lane: str, idx: int, arr):
+    if self.observer is not None and arr is not None:
+      self.observer(lane, idx, self._phase, arr)
+
+  def _wait(self, x):
+    return x if self.overlap else jax.block_until_ready(x)
 
   def _fetch(self, idx: int):
-    """Copies group `idx`'s master weights to the device, once its last update has finished."""
-    if idx in self._resident:
-      return self._resident[idx]
-    t = time.perf_counter()
-    self.opt.wait(idx)
-    self._opt_wait += time.perf_counter() - t
-    w = jax.device_put(self.state.groups[idx].w, self.on_device)
-    self._trace("h2d", idx, w)
-    return w if self.overlap else w.block_until_ready()
-
-  def _prefetch_moments(self, idx: int):
-    if idx < self.n_device and idx not in self._moments:
-      g = self.state.groups[idx]
-      self._moments[idx] = (self._to_device(g.m), self._to_device(g.v))
-      self._trace("h2d", idx, self._moments[idx][1])
-
-  def _to_host(self, x):
-    if self.on_host is None:
-      return x
-    y = jax.device_put(x, self.on_host)
-    return y if self.overlap else y.block_until_ready()
-
-  def _to_device(self, x):
-    y = jax.device_put(x, self.on_device)
-    return y if self.overlap else y.block_until_ready()
+    copied = not self.store.is_resident(idx)
+    w = self.store.fetch(idx)
+    if copied:
+      self._observe("h2d", idx, w)
+    return self._wait(w)
 
   def _ready(self, x):
     """Bounds how far the host runs ahead of the device (and so how many layers are resident)."""
@@ -248,184 +306,209 @@ class Engine:
     if len(self._inflight) > self.cfg.engine.inflight_layers:
       jax.block_until_ready(self._inflight.popleft())
 
-  # ---- gradients -> optimizer ----------------------------------------------------------------
-
-  def _apply(self, idx: int, g, scale: float, w=None):
-    """Hands group `idx`'s gradient (device or host array) to its optimizer: the device update for
-    the last `n_device` groups (w: the weights the device already holds, if any), else the host."""
-    group = self.state.groups[idx]
-    if idx < self.n_device:
-      w = self._fetch(idx) if w is None else w
-      self._prefetch_moments(idx)
-      m, v = self._moments.pop(idx)
-      w, m, v = self._device_adamw(w, m, v, g, self.opt.hyper(self.state.step), np.float32(scale),
-                                   group.layout.n_decay)
-      self._resident[idx] = w
-      # The device's copy of w is the current one: the host copy is refreshed by sync(), not every
-      # step, so only the moments cross back (8 B/param, not 12).
-      self._stale.add(idx)
-      group.swap(m=self._to_host(m), v=self._to_host(v))
-      self._trace("d2h", idx, group.v)
-      return
-    g_host = self._to_host(g)
-    self._trace("d2h", idx, g_host)
+  def _commit(self, idx, g, scale, w):
+    out = self.store.commit(idx, g, scale, w, max_queued=self.cfg.engine.grad_queue)
+    self._observe("d2h", idx, out)
     if not self.overlap:
-      self.opt.update(group, g_host, self.state.step, scale)
-      return
-    self.opt.submit(idx, group, g_host, self.state.step, scale)
-    while self.opt.queued() > self.cfg.engine.grad_queue:
-      t = time.perf_counter()
-      self.opt.wait_oldest()
-      self._opt_wait += time.perf_counter() - t
+      self.store.wait(idx)
+      jax.block_until_ready(out)
 
-  # ---- the step --------------------------------------------------------------------------------
-
-  def _forward(self, tokens, targets, weight):
-    L = len(self.state.blocks)
-    tied = self.cfg.model.tie_embeddings
-    checkpoint_on_host = self.cfg.engine.checkpoints == "host"
-    self._phase = "fwd"
-    w_embed = self._fetch(0)
-    w_next = self._fetch(1)  # issued before the embedding kernel so the copy overlaps it
-    x = self._embed_fwd(w_embed, tokens)
-    self._trace("compute", 0, x)
-    saved = []
-    for i in range(L):
-      w_cur, w_next = w_next, self._fetch(i + 2)
-      saved.append(self._to_host(x) if checkpoint_on_host else x)
-      x = self._block_fwd(w_cur, x)
-      self._trace("compute", i + 1, x)
-      self._ready(x)
-    loss, dx, g_head, g_table = self._head(w_next, w_embed if tied else None, x, targets, weight)
-    self._trace("compute", L + 1, loss)
-    weights = {L + 1: w_next}
-    if self.n_device > 0:
-      weights[0] = w_embed  # its device update needs it after the backward
-    return loss, dx, g_head, g_table, saved, weights
-
-  def _backward(self, saved, dx, tokens, g_head, g_table, weights, emit, last_pass=True,
-                update=True):
-    """Walks the blocks in reverse; calls emit(group index, device gradient, device |g|^2, device
-    weights or None) for the head, each block and the embedding, in that order.
-
-    On the last pass over `saved` each checkpoint is released as soon as its block is done; when
-    the pass `update`s, the moments of device-updated groups are prefetched alongside weights."""
-    L = len(self.state.blocks)
-    bwd = self._block_bwd if last_pass else self._block_bwd_keep
-    self._inflight.clear()
-    self._phase = "bwd"
-    if update:
-      self._prefetch_moments(L + 1)
-    emit(L + 1, g_head, self._sumsq(g_head), weights.pop(L + 1, None) if last_pass else weights.get(L + 1))
-
-    def take(i):
-      x = self._to_device(saved[i])
-      if last_pass:
-        saved[i] = None
-      return x
-
-    if L:
-      w_next, x_next = self._fetch(L), take(L - 1)
-      if update:
-        self._prefetch_moments(L)
-    for i in reversed(range(L)):
-      w_cur, x_cur = w_next, x_next
-      if i > 0:  # prefetch block i-1 before queuing block i's kernel
-        w_next, x_next = self._fetch(i), take(i - 1)
-      if update:
-        self._prefetch_moments(i)
-      dx, g, sq = bwd(w_cur, x_cur, dx)
-      del x_cur
-      self._trace("compute", i + 1, sq)
-      emit(i + 1, g, sq, w_cur)
-      del w_cur
-      self._ready(sq)  # never a donated buffer
-    g_embed = self._embed_bwd(tokens, dx)
-    if g_table is not None:
-      g_embed = self._add(g_embed, g_table)
-    sq = self._sumsq(g_embed)
-    self._trace("compute", 0, sq)
-    emit(0, g_embed, sq, weights.get(0))
-
-  def step(self, batch: Batch) -> StepStats:
-    """One optimizer step on `batch`. Updates may still run when this returns; `sync()` waits."""
-    t0 = time.perf_counter()
-    self._opt_wait = 0.0
-    self._inflight = collections.deque()
-    st, ocfg = self.state, self.cfg.optim
+  def _inputs(self, batch: Batch) -> _Inputs:
+    """Checks the batch and puts it on the device; per-token loss weights are normalised here."""
     B, T = batch.inputs.shape
     V = self.cfg.model.vocab_size
     for name, a in (("inputs", batch.inputs), ("targets", batch.targets)):
       if a.shape != (B, T) or a.min(initial=0) < 0 or a.max(initial=0) >= V:
         raise ValueError(f"batch.{name}: expected shape {(B, T)} with ids in [0, {V}), got shape "
                          f"{a.shape}, range [{a.min(initial=0)}, {a.max(initial=0)}]")
-    self._check_resident()
-    tokens = jax.device_put(batch.inputs, self.on_device)
-    targets = jax.device_put(batch.targets, self.on_device)
-    loss, dx, g_head, g_table, saved, weights = self._forward(tokens, targets,
-                                                              np.float32(1.0 / (B * T)))
-    sq = {}
-    if ocfg.clip_norm is None:
-      def emit(idx, g, s, w):
-        sq[idx] = s
-        self._apply(idx, g, 1.0, w)
-      self._backward(saved, dx, tokens, g_head, g_table, weights, emit)
-      norm = math.sqrt(sum(float(s) for s in sq.values()))
-    elif ocfg.clip_mode == "host_buffer":
-      held = {}
-      def emit(idx, g, s, w):  # host-updated groups' gradients wait in host memory
-        sq[idx] = s
-        held[idx] = (g if idx < self.n_device else self._to_host(g), w)
-      self._backward(saved, dx, tokens, g_head, g_table, weights, emit)
-      norm = math.sqrt(sum(float(s) for s in sq.values()))  # waits for the backward to end
-      scale = clip_scale(norm, ocfg.clip_norm)
-      for idx, (g, w) in held.items():  # in backward order, as they were produced
-        self._apply(idx, g, scale, w)
-      del held
-    else:  # recompute: a norm-only backward, then the applying one
-      self._backward(saved, dx, tokens, g_head, g_table, weights,
-                     lambda idx, g, s, w: sq.__setitem__(idx, s), last_pass=False, update=False)
-      norm = math.sqrt(sum(float(s) for s in sq.values()))
-      scale = clip_scale(norm, ocfg.clip_norm)
-      self._backward(saved, dx, tokens, g_head, g_table, weights,
-                     lambda idx, g, s, w: self._apply(idx, g, scale, w))
+    for name in ("positions", "segments", "loss_weights"):
+      a = getattr(batch, name, None)
+      if a is not None and np.shape(a) != (B, T):
+        raise ValueError(f"batch.{name}: expected shape {(B, T)}, got {np.shape(a)}")
+    lw = getattr(batch, "loss_weights", None)
+    if lw is None:
+      weights = np.full((B, T), 1.0 / (B * T), np.float32)
+    else:
+      total = float(np.sum(lw, dtype=np.float64))
+      if not total > 0 or not np.all(np.isfinite(lw)) or np.min(lw) < 0:
+        raise ValueError("batch.loss_weights: must be finite, >= 0 and not all 0")
+      weights = (np.asarray(lw, np.float64) / total).astype(np.float32)
+    pos = getattr(batch, "positions", None)
+    seg = getattr(batch, "segments", None)
+    put = lambda a: jax.device_put(np.asarray(a, np.int32), self.store.on_device)
+    ctx = model.Ctx(put(np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)) if pos is None else pos),
+                    None if seg is None else put(seg))
+    return _Inputs(put(batch.inputs), put(batch.targets),
+                   jax.device_put(weights, self.store.on_device), ctx)
 
-    lr = float(self.opt.hyper(st.step)["lr"])
-    st.step += 1
-    loss = float(loss)
-    return StepStats(st.step, loss, norm, lr, time.perf_counter() - t0, self._opt_wait, B * T)
+  # ---- the step --------------------------------------------------------------------------------
+
+  def _forward(self, inp: _Inputs):
+    """Runs embedding, blocks and head; returns (loss, dx, head grads, saved inputs, weights the
+    backward's commits can reuse)."""
+    store = self.store
+    L = len(store.blocks)
+    self._phase = "fwd"
+    self._inflight.clear()
+    w_embed = self._fetch(0)
+    w_next = self._fetch(1)  # issued before the embedding kernel so the copy overlaps it
+    x = self._embed_fwd(w_embed, inp.tokens)
+    self._observe("compute", 0, x)
+    saved = []
+    for i in range(L):
+      w_cur, w_next = w_next, self._fetch(i + 2)
+      saved.append(store.to_host(x) if self.cfg.engine.activations == "host" else x)
+      x = self._block_fwd(w_cur, x, inp.ctx)
+      self._observe("compute", i + 1, x)
+      self._ready(x)
+    tied = w_embed if self.cfg.model.tie_embeddings else None
+    loss, dx, g_head, g_table = self._head(w_next, tied, x, inp.targets, inp.weights)
+    self._observe("compute", L + 1, loss)
+    keep = {L + 1: w_next, 0: w_embed}
+    return loss, dx, (g_head, g_table), saved, keep
+
+  def _backward(self, saved, dx, inp: _Inputs, head_grads, keep, emit, last_pass: bool,
+                update: bool):
+    """Walks the blocks in reverse; calls emit(group index, device gradient, device |g|^2, device
+    weights or None) for the head, each block and the embedding, in that order.
+
+    On the last pass over `saved` each saved input is released as soon as its block is done; when
+    the pass `update`s, stream groups' optimizer state is prefetched alongside the weights."""
+    store = self.store
+    L = len(store.blocks)
+    bwd = self._block_bwd if last_pass else self._block_bwd_keep
+    self._inflight.clear()
+    self._phase = "bwd"
+    g_head, g_table = head_grads
+    if update:
+      store.prefetch(L + 1)
+    emit(L + 1, g_head, self._sumsq(g_head), keep[L + 1])
+
+    def take(i):
+      x = jax.device_put(saved[i], store.on_device)
+      if last_pass:
+        saved[i] = None
+      return self._wait(x)
+
+    if L:
+      w_next, x_next = self._fetch(L), take(L - 1)
+      if update:
+        store.prefetch(L)
+    for i in reversed(range(L)):
+      w_cur, x_cur = w_next, x_next
+      if i > 0:  # prefetch block i-1 before queuing block i's kernel
+        w_next, x_next = self._fetch(i), take(i - 1)
+      if update:
+        store.prefetch(i)
+      dx, g, sq = bwd(w_cur, x_cur, inp.ctx, dx)
+      del x_cur
+      self._observe("compute", i + 1, sq)
+      emit(i + 1, g, sq, w_cur)
+      del w_cur
+      self._ready(sq)  # never a donated buffer
+    g_embed = self._embed_bwd(inp.tokens, dx)
+    if g_table is not None:
+      g_embed = self._add(g_embed, g_table)
+    sq = self._sumsq(g_embed)
+    self._observe("compute", 0, sq)
+    emit(0, g_embed, sq, keep[0])
+
+  def step(self, batch: Batch) -> StepStats:
+    """One optimizer step on `batch`. Host updates may still run when this returns; `sync()` waits."""
+    t0 = time.perf_counter()
+    store = self.store
+    store.wait_s = 0.0
+    inp = self._inputs(batch)
+    loss, dx, head_grads, saved, keep = self._forward(inp)
+    clip = _clip_policy(self)
+    for applying in clip.passes:
+      self._backward(saved, dx, inp, head_grads, keep, clip.sink(applying),
+                     last_pass=applying, update=applying)
+      if not applying:
+        clip.between_passes()
+    norm = clip.finish()
+    lr = store.rule.lr(store.step)
+    store.end_step()
+    return StepStats(store.step, float(loss), norm, lr, time.perf_counter() - t0, store.wait_s,
+                     int(np.prod(batch.inputs.shape)))
+
+  def forward_backward(self, batch: Batch, sink) -> jax.Array:
+    """Streams a forward and a backward without updating anything: `sink(group index, device
+    gradient, device |g|^2)` gets each group's gradient, head first. Returns the device loss."""
+    inp = self._inputs(batch)
+    loss, dx, head_grads, saved, keep = self._forward(inp)
+    self._backward(saved, dx, inp, head_grads, keep, lambda idx, g, s, w: sink(idx, g, s),
+                   last_pass=True, update=False)
+    return loss
+
+  def evaluate(self, batches) -> float:
+    """Loss over the targets of several batches (held-out data), no gradient kept, no update:
+    sum(nll * w) / sum(w) with each batch's loss weights. Batches weighing nothing are skipped."""
+    total, weight = 0.0, 0.0
+    for b in batches:
+      lw = getattr(b, "loss_weights", None)
+      w = float(np.prod(b.inputs.shape)) if lw is None else float(np.sum(lw, dtype=np.float64))
+      if w <= 0:
+        continue
+      loss = self._forward(self._inputs(b))[0]  # the head's gradient work is the price of reuse
+      total += float(loss) * w
+      weight += w
+    if weight == 0:
+      raise ValueError("held-out data: no batch has a target the loss counts")
+    return total / weight
 
   def grads(self, batch: Batch) -> tuple[float, list[np.ndarray]]:
-    """Mean loss and every group's fp32 gradient (host copies), streamed like a step; no update."""
-    B, T = batch.inputs.shape
-    self._opt_wait, self._inflight = 0.0, collections.deque()
-    self._check_resident()
-    tokens = jax.device_put(batch.inputs, self.on_device)
-    loss, dx, g_head, g_table, saved, weights = self._forward(
-        tokens, jax.device_put(batch.targets, self.on_device), np.float32(1.0 / (B * T)))
+    """Loss and every group's fp32 gradient (host copies), streamed like a step; no update."""
     out = {}
-    self._backward(saved, dx, tokens, g_head, g_table, weights,
-                   lambda idx, g, s, w: out.__setitem__(idx, self._to_host(g)), update=False)
-    return float(loss), [np.array(out[i]) for i in range(len(self.state.groups))]
-
-  def _check_resident(self):
-    """Drops device copies of weights that were overwritten on the host (HostState.load_tree)."""
-    if self.state.version != self._resident_version:
-      self._resident.clear()
-      self._stale.clear()  # the host's new weights win over the device's
-      self._resident_version = self.state.version
+    loss = self.forward_backward(batch, lambda idx, g, s: out.__setitem__(idx, self.store.to_host(g)))
+    return float(loss), [np.array(out[i]) for i in range(len(self.store.groups))]
 
   def sync(self):
-    """Waits for every queued update and copy and brings device-updated weights back: afterwards
-    the host state is the post-step state (call it before reading or saving the state)."""
-    self.opt.wait_all()
-    self._check_resident()
-    for idx in sorted(self._stale):
-      self.state.groups[idx].swap(w=self._to_host(self._resident[idx]))
-    self._stale.clear()
-    jax.block_until_ready([(g.w, g.m, g.v) for g in self.state.groups[:self.n_device]])
+    """Waits for every queued update and copy: afterwards the store's host copies are current."""
+    self.store.sync()
 
   def close(self):
-    """Syncs the host state, then stops the optimizer thread."""
-    self.sync()
-    self.opt.close()
+    """Syncs the state and stops the host optimizer's thread."""
+    self.store.close()
+
+
+def compiled_memory(cfg: Config, device: jax.Device | None = None) -> dict[str, dict[str, int]]:
+  """Device bytes of each layer executable at the config's shapes, from XLA's own analysis of the
+  compiled code (`.lower().compile().memory_analysis()`): arguments, outputs, temporaries."""
+  device = device or jax.devices()[0]
+  e, m, t = cfg.engine, cfg.model, cfg.train
+  key = (m, e.compute_dtype, e.micro_batch, e.loss_chunk, e.attention, e.matmul_precision,
+         t.batch, t.seq, device)
+  if key in _COMPILED_MEMORY:  # placement does not change the layer executables
+    return _COMPILED_MEMORY[key]
+  lays = layouts(m)
+  cd = DTYPES[e.compute_dtype]
+  fns = layer_fns(m, lays, cd, e.micro_batch, e.loss_chunk,
+                  attention_impl(e.attention, device, e.compute_dtype, m))
+  sh = jax.sharding.SingleDeviceSharding(device)
+  S = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+  B, T, D = t.batch, t.seq, m.hidden
+  x, tok = S((B, T, D), cd), S((B, T), jnp.int32)
+  ctx = model.Ctx(tok)
+  w = {k: S((lay.size,), jnp.float32) for k, lay in lays.items()}
+  table = w["embed"] if m.tie_embeddings else None
+  calls = {
+      "embed forward": (fns.embed_fwd, (w["embed"], tok)),
+      "block forward": (fns.block_fwd, (w["block"], x, ctx)),
+      "block backward": (fns.block_bwd, (w["block"], x, ctx, x)),
+      "head": (fns.head_step, (w["head"], table, x, tok, S((B, T), jnp.float32))),
+      "embed backward": (fns.embed_bwd, (tok, x)),
+  }
+  out = {}
+  for name, (fn, args) in calls.items():
+    def with_precision(*a, fn=fn):
+      with jax.default_matmul_precision(e.matmul_precision):
+        return fn(*a)
+    stats = jax.jit(with_precision).lower(*args).compile().memory_analysis()
+    out[name] = {"argument": stats.argument_size_in_bytes, "output": stats.output_size_in_bytes,
+                 "temp": stats.temp_size_in_bytes, "alias": stats.alias_size_in_bytes}
+  _COMPILED_MEMORY[key] = out
+  return out
+
+
+_COMPILED_MEMORY: dict = {}

@@ -1,15 +1,22 @@
-"""The host optimizer: AdamW with decoupled weight decay applied per layer to host-resident state.
+"""Optimizer updates of one layer group at a time, on the host or on the device, with optax semantics.
 
-Semantics are optax's: `optax.adamw` under `optax.warmup_cosine_decay_schedule`, with global-norm
-clipping equal to `optax.clip_by_global_norm`. Two implementations share that contract:
+`UpdateRule` says what one update does to a group. Two kinds:
 
-- `fused` (default): one in-place numba loop over (w, m, v, g) per layer. optax on XLA:CPU allocates
-  new outputs and peaked near 1 Gparam/s on a 16-core host; an in-place loop streams each byte once
-  and runs near memory bandwidth (4.4-5.6 Gparam/s alone on the H200 box, 4.2-4.7 inside a training
-  step), which is what lets the update of layer i hide behind the device's work on layer i-1.
-- `optax`: the real `optax.adamw` jitted on the CPU backend, for reference and for checking.
+- AdamW with the fused fast path (`optim.name: adamw`, `optim.impl: fused`, the default): flat
+  state `{'m', 'v'}` and one in-place numba loop over (w, m, v, g) per group on the host. optax on
+  XLA:CPU allocates new outputs and peaked near 1 Gparam/s on a 16-core host; the in-place loop
+  streams each byte once and runs near memory bandwidth (4.4-5.6 Gparam/s alone on the H200 box,
+  4.2-4.7 inside a training step), which is what lets the update of layer i hide behind the
+  device's work on layer i-1. Its semantics are `optax.adamw` under the warmup-cosine schedule, and
+  the tests hold it (and its device twin) to exactly that.
+- Any optax `GradientTransformation`: optax's common optimizers by name from the config (adamw,
+  adam, lion, sgd with momentum, adafactor) or a user's own chain from Python. Its state pytree per
+  group is what `tx.init` makes of the group's parameter tree; host updates run it jitted on XLA:CPU,
+  device updates jitted on the device.
 
-Updates run on one worker thread, in the order gradients arrive, so they overlap the device.
+Global-norm clipping multiplies the gradient by `clip_scale` before the rule, which is what
+`optax.chain(optax.clip_by_global_norm(c), tx)` does. Host updates run on one worker thread, in
+the order gradients arrive, so they overlap the device.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import numpy as np
 import optax
 
 from mtjax.config import OptimConfig
-from mtjax.state import Group
+from mtjax.state import Layout
 
 
 def schedule(cfg: OptimConfig, decay_steps: int) -> optax.Schedule:
@@ -35,6 +42,28 @@ def schedule(cfg: OptimConfig, decay_steps: int) -> optax.Schedule:
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
       decay_steps=max(decay_steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio)
+
+
+def decay_mask(params):
+  """Weight decay on matrices only (not norms, biases)."""
+  return jax.tree.map(lambda a: a.ndim >= 2, params)
+
+
+def make_tx(cfg: OptimConfig, sched: optax.Schedule) -> optax.GradientTransformation:
+  """The optax transformation a config names."""
+  if cfg.name == "adamw":
+    return optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                       mask=decay_mask)
+  if cfg.name == "adam":
+    return optax.adam(sched, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+  if cfg.name == "lion":
+    return optax.lion(sched, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask)
+  if cfg.name == "sgd":
+    return optax.sgd(sched, momentum=cfg.momentum or None)
+  if cfg.name == "adafactor":
+    return optax.adafactor(sched, weight_decay_rate=cfg.weight_decay or None,
+                           weight_decay_mask=decay_mask)
+  raise ValueError(f"optim.name: unknown optimizer {cfg.name!r}")
 
 
 def clip_scale(global_norm: float, max_norm: float | None) -> float:
@@ -57,33 +86,76 @@ def _adamw_inplace(w, m, v, g, lr, b1, b2, eps, wd, bc1, bc2, scale):  # pragma:
     w[i] = w[i] - lr * u
 
 
-class HostOptimizer:
-  """Applies AdamW to one layer's host buffers at a time, on a worker thread when asked."""
+def adamw_on_device(w, m, v, g, hyper: dict, n_decay: int):
+  """The fused kernel's update as a jax function, for groups updated on the device: the same fp32
+  arithmetic, decay on elements [0, n_decay). Returns (w, m, v)."""
+  m = hyper["b1"] * m + (1 - hyper["b1"]) * g
+  v = hyper["b2"] * v + (1 - hyper["b2"]) * g * g
+  wd = jnp.where(jnp.arange(w.shape[0]) < n_decay, hyper["wd"], jnp.float32(0))
+  u = (m / hyper["bc1"]) / (jnp.sqrt(v / hyper["bc2"]) + hyper["eps"]) + wd * w
+  return w - hyper["lr"] * u, m, v
 
-  def __init__(self, cfg: OptimConfig, decay_steps: int):
+
+def _flatten(layout: Layout, tree) -> jax.Array:
+  """A parameter tree back into the layout's flat vector, inside a jit."""
+  leaves = []
+  for path in layout.paths:
+    node = tree
+    for k in path:
+      node = node[k]
+    leaves.append(node.reshape(-1))
+  return jnp.concatenate(leaves)
+
+
+class UpdateRule:
+  """What one update does to one group's (w, opt state), wherever it runs."""
+
+  def __init__(self, cfg: OptimConfig, decay_steps: int, tx: optax.GradientTransformation | None = None):
     self.cfg = cfg
     self.schedule = schedule(cfg, decay_steps)
-    self.threads = cfg.threads or os.cpu_count() or 1
-    self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtjax-opt",
-                                       initializer=numba.set_num_threads,
-                                       initargs=(min(self.threads, numba.config.NUMBA_NUM_THREADS),))
-    self._pending: dict[int, cf.Future] = {}
-    self.log: list | None = None  # set to [] to record (group name, start, end) of every update
+    self.fused = tx is None and cfg.name == "adamw" and cfg.impl == "fused"
+    self.tx = tx if tx is not None else make_tx(cfg, self.schedule)
     self._cpu = jax.devices("cpu")[0]
-    self._hyper: dict[int, dict] = {}  # the last two steps' scalars (the worker may lag a step)
-    self._hyper_lock = threading.Lock()  # the main thread (device updates) and the worker share it
-    self._optax = None
-    if cfg.impl == "optax":
-      self._optax = _OptaxImpl(cfg, self.schedule)
+    self._scalars: dict[int, dict] = {}  # the last two steps' (the host worker may lag a step)
+    self._lock = threading.Lock()  # the main thread (device updates) and the worker share them
+    self._cpu_update = jax.jit(self._optax_update, static_argnums=(3,), donate_argnums=(1,))
 
-  def hyper(self, step: int) -> dict:
-    """Scalars for update number `step` (0-based), as optax computes them.
+  def init_host(self, layout: Layout) -> dict:
+    """A new group's optimizer state as numpy arrays in plain host memory."""
+    if self.fused:
+      return {"m": np.zeros(layout.size, np.float32), "v": np.zeros(layout.size, np.float32)}
+    zeros = {}
+    for path, shape in zip(layout.paths, layout.shapes):
+      node = zeros
+      for k in path[:-1]:
+        node = node.setdefault(k, {})
+      node[path[-1]] = np.zeros(shape, np.float32)
+    with jax.default_device(self._cpu):
+      return jax.tree.map(np.array, self.tx.init(zeros))
+
+  def state_bytes(self, layout: Layout) -> int:
+    """Bytes of one group's optimizer state (shapes only, nothing allocated)."""
+    if self.fused:
+      return 8 * layout.size
+    tree = {}
+    for path, shape in zip(layout.paths, layout.shapes):
+      node = tree
+      for k in path[:-1]:
+        node = node.setdefault(k, {})
+      node[path[-1]] = jax.ShapeDtypeStruct(shape, jnp.float32)
+    shapes = jax.eval_shape(self.tx.init, tree)
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(shapes))
+
+  def scalars(self, step: int) -> dict:
+    """The fused AdamW's scalars for update number `step` (0-based), as optax computes them.
 
     The schedule is a jax function: evaluated on the default device (the GPU) it would queue
     behind the layer being computed and make every update wait for it. So it runs on the CPU
     backend, once per step."""
-    with self._hyper_lock:
-      h = self._hyper.get(step)
+    if not self.fused:
+      return {}
+    with self._lock:
+      h = self._scalars.get(step)
       if h is None:
         c = self.cfg
         t = step + 1
@@ -92,40 +164,90 @@ class HostOptimizer:
         h = dict(lr=lr, b1=np.float32(c.b1), b2=np.float32(c.b2), eps=np.float32(c.eps),
                  wd=np.float32(c.weight_decay), bc1=np.float32(1 - c.b1 ** t),
                  bc2=np.float32(1 - c.b2 ** t))
-        self._hyper = {s: v for s, v in self._hyper.items() if s == step - 1} | {step: h}
+        self._scalars = {s: v for s, v in self._scalars.items() if s == step - 1} | {step: h}
       return h
 
-  def update(self, group: Group, grad, step: int, scale: float = 1.0):
-    """Applies update number `step` to `group` in place; `grad` is a host array (or a host jax
-    array whose copy may still be in flight: np.asarray waits for it)."""
+  def lr(self, step: int) -> float:
+    if self.fused:
+      return float(self.scalars(step)["lr"])
+    with jax.default_device(self._cpu):
+      return float(self.schedule(step))
+
+  def _optax_update(self, w, opt, g, layout: Layout):
+    params, grads = layout.unflatten(w), layout.unflatten(g)
+    updates, opt = self.tx.update(grads, opt, params)
+    return _flatten(layout, optax.apply_updates(params, updates)), opt
+
+  def device_update(self, w, opt, g, scalars: dict, layout: Layout):
+    """(w, opt) after one update with gradient g (already scaled); traced inside a jit."""
+    if self.fused:
+      w, m, v = adamw_on_device(w, opt["m"], opt["v"], g, scalars, layout.n_decay)
+      return w, {"m": m, "v": v}
+    return self._optax_update(w, opt, g, layout)
+
+  def host_update(self, w: np.ndarray, opt: dict, g: np.ndarray, step: int, scale: float,
+                  layout: Layout) -> dict | None:
+    """Updates the numpy buffers in place (fused) or returns the new optimizer state after writing
+    w in place (optax on XLA:CPU)."""
+    if self.fused:
+      h = self.scalars(step)
+      nd, sc = layout.n_decay, np.float32(scale)
+      for lo, hi, wd in ((0, nd, h["wd"]), (nd, layout.size, np.float32(0))):
+        if hi > lo:
+          _adamw_inplace(w[lo:hi], opt["m"][lo:hi], opt["v"][lo:hi], g[lo:hi], h["lr"], h["b1"],
+                         h["b2"], h["eps"], wd, h["bc1"], h["bc2"], sc)
+      return None
+    cpu = self._cpu
+    with jax.default_device(cpu):
+      new_w, new_opt = self._cpu_update(jax.device_put(w, cpu), jax.device_put(opt, cpu),
+                                        jax.device_put(g * np.float32(scale), cpu), layout)
+      np.copyto(w, np.asarray(new_w))
+      return jax.tree.map(np.array, new_opt)
+
+
+class HostOptimizer:
+  """Runs host-tier updates on one worker thread, in the order gradients arrive."""
+
+  def __init__(self, cfg: OptimConfig, rule: UpdateRule):
+    self.rule = rule
+    threads = cfg.threads or os.cpu_count() or 1
+    self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="mtjax-opt",
+                                       initializer=numba.set_num_threads,
+                                       initargs=(min(threads, numba.config.NUMBA_NUM_THREADS),))
+    self._pending: dict[int, cf.Future] = {}
+    self.log: list | None = None  # set to [] to record (group name, start, end) of every update
+
+  def worker_thread_id(self) -> int:
+    """The native id of the worker thread (for per-thread CPU accounting)."""
+    return self._pool.submit(threading.get_native_id).result()
+
+  def update(self, group, grad, step: int, scale: float, view):
+    """Applies update number `step` to a host-tier group; `grad` is a host array (or a pinned jax
+    array whose copy may still be in flight: np.asarray waits for it); `view(attr)` gives the
+    group's writable numpy buffers."""
     g = np.asarray(grad)
+    if g.shape != (group.size,) or g.dtype != np.float32:
+      raise ValueError(f"{group.name}: gradient {g.shape} {g.dtype}, expected ({group.size},) float32")
     t0 = time.perf_counter()
-    self._update(group, g, step, scale)
+    opt = {k: view(k) for k in group.opt} if self.rule.fused else group.opt
+    new_opt = self.rule.host_update(view("w"), opt, g, step, scale, group.layout)
+    if new_opt is not None:
+      group.opt = new_opt
     if self.log is not None:
       self.log.append((group.name, t0, time.perf_counter()))
 
-  def _update(self, group: Group, g: np.ndarray, step: int, scale: float):
-    if g.shape != (group.layout.size,) or g.dtype != np.float32:
-      raise ValueError(f"{group.name}: gradient {g.shape} {g.dtype}, expected "
-                       f"({group.layout.size},) float32")
-    if self._optax is not None:
-      self._optax.update(group, g, step, scale)
-      return
-    h = self.hyper(step)
-    nd = group.layout.n_decay
-    sc = np.float32(scale)
-    # optim.chunk > 0 hands chunks out dynamically instead of one equal split per thread, which
-    # runs at the pace of its slowest thread when other threads share the cores during a step.
-    # Not yet shown to help: benchmarks/host_adamw_contention.py on 2 cores is within its noise.
-    with numba.parallel_chunksize(self.cfg.chunk):
-      for lo, hi, wd in ((0, nd, h["wd"]), (nd, group.layout.size, np.float32(0))):
-        if hi > lo:
-          _adamw_inplace(group.w_np[lo:hi], group.m_np[lo:hi], group.v_np[lo:hi], g[lo:hi],
-                         h["lr"], h["b1"], h["b2"], h["eps"], wd, h["bc1"], h["bc2"], sc)
-
-  def submit(self, idx: int, group: Group, grad, step: int, scale: float = 1.0):
+  def submit(self, idx: int, group, grad, step: int, scale: float, view):
     """Queues `update` on the worker thread; `wait(idx)` blocks until it has run."""
-    self._pending[idx] = self._pool.submit(self.update, group, grad, step, scale)
+    self.check()
+    self._pending[idx] = self._pool.submit(self.update, group, grad, step, scale,
+                                           lambda attr: view(idx, attr))
+
+  def check(self):
+    """Raises at once the error of any update that failed on the worker."""
+    for idx, fut in list(self._pending.items()):
+      if fut.done() and fut.exception() is not None:
+        self._pending.pop(idx)
+        raise fut.exception()
 
   def wait(self, idx: int):
     fut = self._pending.pop(idx, None)
@@ -142,47 +264,18 @@ class HostOptimizer:
         return
 
   def wait_all(self):
+    """Waits for every queued update; the first failure is raised after all have finished."""
+    error = None
     for idx in list(self._pending):
-      self.wait(idx)
+      try:
+        self.wait(idx)
+      except Exception as e:  # noqa: BLE001 - re-raised below, once the queue is drained
+        error = error or e
+    if error is not None:
+      raise error
 
   def close(self):
-    self.wait_all()
-    self._pool.shutdown()
-
-
-class _OptaxImpl:
-  """optax.adamw jitted on the CPU backend. The group's m and v stay the single source of truth:
-  they are handed to optax as its state and its results are copied back in place."""
-
-  def __init__(self, cfg: OptimConfig, sched):
-    self.cpu = jax.devices("cpu")[0]
-    # The flat vector is passed to optax as (matrices, vectors): the mask decays only the first.
-    self.tx = optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                          weight_decay=cfg.weight_decay, mask=(True, False))
-
-    def step(params, grads, mu, nu, count, scale):
-      state = optax.tree_utils.tree_set(self.tx.init(params), count=count, mu=mu, nu=nu)
-      grads = jax.tree.map(lambda x: x * scale, grads)
-      updates, state = self.tx.update(grads, state, params)
-      adam = state[0]
-      return optax.apply_updates(params, updates), adam.mu, adam.nu
-    self._step = jax.jit(step)
-
-  def update(self, group: Group, g: np.ndarray, step: int, scale: float):
-    nd = group.layout.n_decay
-    split = lambda a: (jax.device_put(a[:nd], self.cpu), jax.device_put(a[nd:], self.cpu))
-    w, mu, nu = self._step(split(group.w_np), split(g), split(group.m_np), split(group.v_np),
-                           np.int32(step), np.float32(scale))
-    for dst, src in ((group.w_np, w), (group.m_np, mu), (group.v_np, nu)):
-      dst[:nd], dst[nd:] = np.asarray(src[0]), np.asarray(src[1])
-
-
-def adamw_on_device(w, m, v, g, hyper: dict, scale, n_decay: int):
-  """The fused kernel's update as a jax function, for layers updated on the device: the same fp32
-  arithmetic, decay on elements [0, n_decay). Returns (w, m, v)."""
-  g = g * scale
-  m = hyper["b1"] * m + (1 - hyper["b1"]) * g
-  v = hyper["b2"] * v + (1 - hyper["b2"]) * g * g
-  wd = jnp.where(jnp.arange(w.shape[0]) < n_decay, hyper["wd"], jnp.float32(0))
-  u = (m / hyper["bc1"]) / (jnp.sqrt(v / hyper["bc2"]) + hyper["eps"]) + wd * w
-  return w - hyper["lr"] * u, m, v
+    try:
+      self.wait_all()
+    finally:
+      self._pool.shutdown()

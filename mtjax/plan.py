@@ -1,8 +1,11 @@
 """`python -m mtjax.plan --config FILE [key.path=value ...]`: will this run fit, and how fast can it go?
 
-Everything here is arithmetic on the config: nothing is allocated and no accelerator is touched
-until the device's memory is asked for (`--no-device` skips that). `mtjax.train` runs the same plan
-first and refuses a run that does not fit, before it allocates anything.
+The plan places every layer group's state (host RAM, streamed through the device, or held in
+device memory: see mtjax.store), counts host and device bytes, and predicts the step time from
+a simulation of the engine's schedule. Host figures are arithmetic on the config; the layer
+executables' device bytes come from XLA's analysis of the compiled code once the backend runs.
+`mtjax.train` runs the same plan first (`prepare`) and refuses a run that does not fit, before it
+allocates anything.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import argparse
 import dataclasses
 import math
 import os
+import subprocess
 import sys
 
 from mtjax import config as config_lib
@@ -64,15 +68,25 @@ class Rates:
 @dataclasses.dataclass(frozen=True)
 class Plan:
   params: int
+  tiers: tuple[str, ...]  # each group's tier: host, stream or device (see mtjax.store)
   host: dict[str, int]  # bytes by item
   device: dict[str, int]  # bytes by item
   pinned: int  # of `host`, bytes that must be pinned (the XLA pinned pool must hold them)
   step_s: dict[str, float]  # predicted lower-bound terms
   host_limit: int | None
   device_limit: int | None
-  device_update_layers: int  # layer groups updated on the device (resolved when the config says auto)
   schedule_s: float  # predicted step time from simulating the engine's schedule (`simulate`)
   schedule_best_s: float  # the same with the best in-step host AdamW rate measured
+  compiled: bool  # the layer executables' device bytes came from XLA's analysis of the compiled code
+  pinned_cap: int | None = None  # the pinned pool's cap when it was fixed before this plan
+
+  @property
+  def device_state_layers(self) -> int:
+    return self.tiers.count("device")
+
+  @property
+  def device_update_layers(self) -> int:
+    return self.tiers.count("stream")
 
   @property
   def host_total(self) -> int:
@@ -84,11 +98,18 @@ class Plan:
 
   @property
   def host_bytes_per_param(self) -> float:
-    return (self.host["master weights"] + self.host["AdamW moments"]) / self.params
+    """Bytes of persistent state per parameter, wherever it lives (host and device tiers)."""
+    state = (self.host["master weights"] + self.host["optimizer state"]
+             + self.device["weights and optimizer state (device tier)"])
+    return state / self.params
 
   @property
   def fits_host(self) -> bool:
     return self.host_limit is None or self.host_total <= self.host_limit
+
+  @property
+  def fits_pool(self) -> bool:
+    return self.pinned_cap is None or pinned_pool_bytes(self.pinned) <= self.pinned_cap
 
   @property
   def fits_device(self) -> bool:
@@ -98,110 +119,179 @@ class Plan:
   def predicted_step_s(self) -> float:
     return max(self.step_s.values())
 
+  def resolve(self, cfg: config_lib.Config) -> config_lib.Config:
+    """`cfg` with this plan's placement written in: everything downstream takes concrete numbers."""
+    return dataclasses.replace(cfg, engine=dataclasses.replace(
+        cfg.engine, device_state_layers=self.device_state_layers,
+        device_update_layers=self.device_update_layers))
+
 
 def make(cfg: config_lib.Config, host_limit: int | None = None, device_limit: int | None = None,
-         rates: Rates = Rates()) -> Plan:
-  """The plan of `cfg`; `engine.device_update_layers: auto` is resolved here (see `choose_device_updates`)."""
-  n_dev = cfg.engine.device_update_layers
-  if n_dev == "auto":
-    n_dev = choose_device_updates(cfg, device_limit, rates, host_limit)
-  return _make(cfg, n_dev, host_limit, device_limit, rates)
+         rates: Rates = Rates(), working: dict | None = None, opt_bytes: dict | None = None,
+         pinned_cap: int | None = None) -> Plan:
+  """The plan of `cfg`; an `auto` placement is resolved here, once.
 
+  `engine.device_state_layers: auto` puts no group's state in device memory when the host holds it
+  all; when it does not, at least as many as make the host fit, and more while the device has room
+  and the simulated step gets shorter (the largest count within 2% of the shortest). `engine.device_update_layers: auto` then streams, among the counts that
+  fit the device and leave 3% of the host spare (pinned state enlarges the pinned pool), the
+  largest whose simulated step (`simulate`) is within 2% of the shortest. Largest, because the host
+  optimizer shares the host's cores and memory bus with everything else the process does and the
+  device's update does not: on the H200 all groups streamed ran 22% faster than none at batch 8 and
+  tied at batch 32 (benchmarks/results/record/).
 
-def choose_device_updates(cfg: config_lib.Config, device_limit: int | None = None,
-                          rates: Rates = Rates(), host_limit: int | None = None) -> int:
-  """How many of the backward's last layer groups to update on the device: among the counts that
-  fit the device and leave 3% of the host spare (pinned moments enlarge the pinned pool), the
-  largest whose simulated step (`simulate`) is within 2% of the shortest. Largest, because the
-  host optimizer shares the host's cores and memory bus with everything else the process does and
-  the device's update does not: on the H200 all groups on the device ran 22% faster than none at
-  batch 8 and tied at batch 32 (benchmarks/results/record/)."""
+  Args:
+    working: device bytes of the layer executables from `mtjax.engine.compiled_memory`; without
+      it they are estimated by formula (before the backend starts).
+    opt_bytes: optimizer-state bytes per group kind; default AdamW's 8 B/param.
+    pinned_cap: the pinned pool's cap when it is fixed already (the backend has started).
+  """
+  e = cfg.engine
+  G = cfg.model.layers + 2
+  plans: dict[tuple[int, int], Plan] = {}
+
+  def build(n_state, n_upd):
+    if (n_state, n_upd) not in plans:
+      plans[n_state, n_upd] = _make(
+          cfg, ["device"] * n_state + ["stream"] * n_upd + ["host"] * (G - n_state - n_upd),
+          host_limit, device_limit, rates, working, opt_bytes, pinned_cap)
+    return plans[n_state, n_upd]
+
+  n_upd_fixed = 0 if e.device_update_layers == "auto" else e.device_update_layers
+  if e.device_state_layers == "auto":
+    # Host bytes (and pinned bytes) fall as groups move to device memory: the fewest that fit,
+    # by bisection; if none does, the plan without any (check() then says why it is refused).
+    fits = lambda k: build(k, n_upd_fixed).fits_host and build(k, n_upd_fixed).fits_pool
+    lo, hi = 0, G - n_upd_fixed
+    if fits(lo) or not fits(hi) or not rates.accelerator:
+      n_state = 0  # on the CPU backend "device" memory is host memory: nothing to gain
+    else:
+      while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+      # Once the host is full, more groups in device memory only take work off the host and the
+      # link: fill the device while it has room (5% kept spare), to the fastest simulated step.
+      times = {}
+      for k in range(hi, G - n_upd_fixed + 1):
+        p = build(k, n_upd_fixed)
+        if k > hi and not (device_limit is None or p.device_total <= 0.95 * device_limit):
+          break
+        times[k] = p.schedule_s
+      n_state = max(k for k, t in times.items() if t <= min(times.values()) * 1.02)
+  else:
+    n_state = e.device_state_layers
+  if e.device_update_layers != "auto":
+    return build(n_state, e.device_update_layers)
   times = {}
-  for k in range(cfg.model.layers + 3):
-    plan = _make(cfg, k, host_limit, device_limit, rates)
-    # An optional choice keeps 3% of the host spare.
-    roomy = host_limit is None or plan.host_total <= 0.97 * host_limit
-    if k and not (plan.fits_device and roomy):
+  for k in range(G - n_state + 1):
+    p = build(n_state, k)
+    roomy = host_limit is None or p.host_total <= 0.97 * host_limit
+    if k and not (p.fits_device and roomy and p.fits_pool):
       break  # device bytes and the pinned pool grow with k
-    times[k] = plan.schedule_s
+    times[k] = p.schedule_s
   shortest = min(times.values())
-  return max(k for k, s in times.items() if s <= shortest * 1.02)
+  if math.isinf(shortest):
+    return build(n_state, 0)
+  return build(n_state, max(k for k, t in times.items() if t <= shortest * 1.02))
 
 
-def _make(cfg: config_lib.Config, n_dev: int, host_limit: int | None, device_limit: int | None,
-          rates: Rates) -> Plan:
+def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, rates: Rates,
+          working: dict | None, opt_bytes: dict | None, pinned_cap: int | None) -> Plan:
   m, e, t, o = cfg.model, cfg.engine, cfg.train, cfg.optim
   pc = param_counts(m)
   P, L = pc["total"], m.layers
-  sizes = [pc["embed"]] + [pc["block"]] * L + [pc["head"]]
-  largest = max(sizes)
+  kinds = ["embed"] + ["block"] * L + ["head"]
+  sizes = [pc[k] for k in kinds]
+  ob = [(opt_bytes or {}).get(k, 8 * pc[k]) for k in kinds]  # optimizer state bytes per group
+  on = lambda tier: [i for i, tr in enumerate(tiers) if tr == tier]
+  host_g, stream_g, dev_g = on("host"), on("stream"), on("device")
   act = 2 if e.compute_dtype == "bfloat16" else 4
   tokens = t.batch * t.seq
-  host_updated = sum(sizes[n_dev:])
-  dev_largest = max(sizes[:n_dev], default=0)
-  checkpoint = t.batch * t.seq * m.hidden * act  # one layer's saved input
+  top = lambda group_sizes, k: sum(sorted(group_sizes, reverse=True)[:k])  # the k largest
+  largest_stream = max((sizes[i] for i in stream_g), default=0)
+  largest_stream_opt = max((ob[i] for i in stream_g), default=0)
+  largest_dev = max((sizes[i] + ob[i] // 4 for i in dev_g), default=0)
+  streamed = [sizes[i] for i in host_g + stream_g]
+  checkpoint = t.batch * t.seq * m.hidden * act  # one block's saved input
 
   host = {
-      "master weights": 4 * P,
-      "AdamW moments": 8 * P,
-      "gradients in flight": 4 * largest * (e.grad_queue + 2) if host_updated else 0,
-      "clip gradient buffer": 4 * host_updated if (o.clip_norm and o.clip_mode == "host_buffer") else 0,
-      "device-update staging": 12 * dev_largest * min(n_dev, 2),
-      "activation checkpoints": L * checkpoint if e.checkpoints == "host" else 0,
+      "master weights": 4 * sum(streamed),
+      "optimizer state": sum(ob[i] for i in host_g + stream_g),
+      # at most grad_queue queued, one being applied, one landing
+      "gradients in flight": 4 * top([sizes[i] for i in host_g], e.grad_queue + 2),
+      "clip gradient buffer": (4 * sum(sizes[i] for i in host_g)
+                               if (o.clip_norm and o.clip_mode == "host_buffer") else 0),
+      "stream staging": 2 * (4 * largest_stream + largest_stream_opt) if stream_g else 0,
+      "device-tier staging (sync, checkpoints)": 4 * largest_dev if dev_g else 0,
+      "activations on host": L * checkpoint if e.activations == "host" else 0,
       "runtime": RUNTIME_HOST_BYTES if rates.accelerator else RUNTIME_HOST_BYTES_CPU,
   }
-  moments_pinned = 8 * sum(sizes[:n_dev])
-  pinned = (host["master weights"] + moments_pinned + host["gradients in flight"]
-            + host["clip gradient buffer"] + host["device-update staging"]
-            + host["activation checkpoints"])
+  pinned = (host["master weights"] + sum(ob[i] for i in stream_g) + host["gradients in flight"]
+            + host["clip gradient buffer"] + host["stream staging"]
+            + host["device-tier staging (sync, checkpoints)"] + host["activations on host"])
   host["pinned pool headroom"] = pinned_pool_bytes(pinned) - pinned if rates.accelerator else 0
 
-  mb = e.micro_batch or t.batch
-  D, F, V = m.hidden, m.ffn, m.vocab_size
-  H, hd = m.heads, m.dim_per_head
-  # One block's backward over one micro-batch: its forward re-run under vjp keeps about a dozen
-  # [mb, T, D]-sized and three [mb, T, F]-sized intermediates, and as many cotangents.
-  layer_acts = 2 * mb * t.seq * (12 * D + 3 * F) * act
-  attn = (mb * H * t.seq * 4 * 2 if e.attention != "xla" and e.compute_dtype == "bfloat16"
-          else 3 * mb * H * t.seq * t.seq * 4)  # flash: row stats; XLA: scores, probs, their grad
-  chunk = min(e.loss_chunk, tokens)
   device = {
-      "streamed weights": (e.inflight_layers + 1) * largest * (4 + act),
-      "resident weights (device update)": 4 * sum(sizes[:n_dev]),
-      "moments in flight (device update)": 2 * 2 * 8 * dev_largest,
-      "gradients": 2 * 4 * largest,
-      "activation checkpoints": L * checkpoint if e.checkpoints == "device" else 2 * checkpoint,
-      "layer working set": layer_acts + attn,
-      "loss chunk": chunk * V * (4 + 4 + act) + 4 * D * V,
-      "embedding gradient": 4 * V * D,
-      "hidden states": 3 * tokens * D * act,
+      "weights and optimizer state (device tier)": sum(4 * sizes[i] + ob[i] for i in dev_g),
+      "resident weights (stream tier)": 4 * sum(sizes[i] for i in stream_g),
+      "optimizer state in flight (stream tier)": 2 * 2 * largest_stream_opt,
+      "streamed weights": 4 * top(streamed, e.inflight_layers + 1),
+      "gradients": 4 * top(sizes, 2),
+      "saved activations": L * checkpoint if e.activations == "device" else 2 * checkpoint,
   }
+  if working is not None:
+    # The largest executable's temporaries and outputs (its arguments are the items above).
+    device["layer executables (compiled)"] = max(w["temp"] + w["output"] for w in working.values())
+  else:
+    mb = e.micro_batch or t.batch
+    D, F, V = m.hidden, m.ffn, m.vocab_size
+    H = m.heads
+    # One block's backward over one micro-batch: its forward re-run under vjp keeps about a dozen
+    # [mb, T, D]-sized and three [mb, T, F]-sized intermediates, and as many cotangents.
+    layer_acts = 2 * mb * t.seq * (12 * D + 3 * F) * act
+    attn = (mb * H * t.seq * 4 * 2 if e.attention != "xla" and e.compute_dtype == "bfloat16"
+            else 3 * mb * H * t.seq * t.seq * 4)  # flash: row stats; XLA: scores, probs, their grad
+    chunk = min(e.loss_chunk, tokens)
+    device["layer working set (estimated)"] = max(layer_acts + attn + 3 * tokens * D * act,
+                                                  chunk * V * (4 + 4 + act) + 8 * D * V)
 
+  D, V, H, hd = m.hidden, m.vocab_size, m.heads, m.dim_per_head
   block_matmul = pc["block"] - 2 * D - (H * hd + 2 * m.n_kv_heads * hd if m.qkv_bias else 0)
   causal = 0.5 if e.compute_dtype == "bfloat16" and e.attention != "xla" else 1.0
   hw_flops = (L * (8 * block_matmul * tokens + 16 * t.batch * t.seq**2 * H * hd * causal)
               + 6 * D * V * tokens)
-  ckpt_link = L * checkpoint if e.checkpoints == "host" else 0
-  tail = sum(sizes[:n_dev])  # device-updated groups: weights stay resident, moments cross twice
-  tail_blocks = sum(sizes[1:min(n_dev, L + 1)])
-  h2d = 4 * (P - tail) + 4 * (L * pc["block"] - tail_blocks) + 8 * tail + ckpt_link
+  ckpt_link = L * checkpoint if e.activations == "host" else 0
+  # Host groups' weights cross twice (forward, backward; the embedding's backward needs none),
+  # stream groups' optimizer state crosses both ways, device groups cross nothing.
+  twice = lambda i: 2 if 0 < i <= L else 1
+  h2d = (sum(4 * sizes[i] * twice(i) for i in host_g) + sum(ob[i] for i in stream_g) + ckpt_link)
+  d2h = 4 * sum(sizes[i] for i in host_g) + sum(ob[i] for i in stream_g) + ckpt_link
+  host_updated = sum(sizes[i] for i in host_g)
   step_s = {
       "compute": hw_flops / (rates.matmul_tflops * 1e12),
       "host->device": h2d / (rates.h2d_gbps * 1e9),
-      "device->host": (4 * host_updated + 8 * tail + ckpt_link) / (rates.d2h_gbps * 1e9),
+      "device->host": d2h / (rates.d2h_gbps * 1e9),
       "host optimizer": host_updated / (rates.host_adamw_gparams * 1e9),
   }
   block_fwd = (2 * block_matmul * tokens + 4 * t.batch * t.seq**2 * H * hd * causal) / (
       rates.matmul_tflops * 1e12)
   layers = [Layer(sizes[0], 0.0, 0.0, 0)]
-  layers += [Layer(pc["block"], block_fwd, 3 * block_fwd, checkpoint if e.checkpoints == "host"
-                   else 0)] * L
+  layers += [Layer(pc["block"], block_fwd, 3 * block_fwd,
+                   checkpoint if e.activations == "host" else 0)] * L
   layers += [Layer(sizes[-1], 6 * D * V * tokens / (rates.matmul_tflops * 1e12), 0.0, 0)]
-  sched = simulate(layers, n_dev, rates, e.inflight_layers, e.grad_queue, e.overlap)
-  best = dataclasses.replace(rates, host_adamw_in_step_gparams=rates.host_adamw_in_step_best_gparams)
-  sched_best = simulate(layers, n_dev, best, e.inflight_layers, e.grad_queue, e.overlap)
-  return Plan(P, host, device, pinned, step_s, host_limit, device_limit, n_dev, sched,
-              min(sched, sched_best))
+  if not rates.accelerator:  # the CPU backend's "device" memory is host RAM
+    host["device memory (CPU backend: host RAM)"] = sum(device.values())
+  fits = ((host_limit is None or sum(host.values()) <= host_limit)
+          and (device_limit is None or sum(device.values()) <= device_limit))
+  if fits:  # the simulation costs O(layers); a plan that does not fit needs none
+    sched = simulate(layers, tiers, rates, e.inflight_layers, e.grad_queue)
+    best = dataclasses.replace(rates,
+                               host_adamw_in_step_gparams=rates.host_adamw_in_step_best_gparams)
+    sched_best = simulate(layers, tiers, best, e.inflight_layers, e.grad_queue)
+  else:
+    sched = sched_best = math.inf
+  return Plan(P, tuple(tiers), host, device, pinned, step_s, host_limit, device_limit, sched,
+              min(sched, sched_best), working is not None, pinned_cap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,23 +304,27 @@ class Layer:
   checkpoint_bytes: int
 
 
-def simulate(layers: list[Layer], n_device: int, rates: Rates, inflight: int = 2,
-             grad_queue: int = 4, overlap: bool = True, steps: int = 4) -> float:
+def simulate(layers: list[Layer], tiers, rates: Rates, inflight: int = 2, grad_queue: int = 4,
+             overlap: bool = True, steps: int = 4) -> float:
   """Predicted step time of the engine's schedule: four in-order lanes (host->device copies, device
   compute, device->host copies, the host optimizer) and the engine's dependencies between them.
 
-  Forward, layer g: its weights are copied once its last update is done (device-updated groups
-  stay resident), at most `inflight` layers ahead of the device. Backward, in reverse: weights (or,
-  for device-updated groups, the moments) come in, the gradient (or w, m, v) goes out, and the
-  host optimizer takes host-updated groups in order; the device waits once more than `grad_queue`
-  updates are queued. Without overlap every item runs alone. Steady state: the last step's length.
+  `tiers` gives each group's tier (an int k means: the first k groups streamed, the rest host).
+  Forward, group g: host groups' weights are copied once their last update is done (stream and
+  device groups' weights are on the device already), at most `inflight` layers ahead of the
+  device. Backward, in reverse: weights (or, for stream groups, the optimizer state) come in, the
+  gradient (or the optimizer state) goes out, and the host optimizer takes host groups in order;
+  the device waits once more than `grad_queue` updates are queued. Device groups move nothing.
+  Without overlap every item runs alone. Steady state: the last step's length.
   """
+  n = len(layers)
+  if isinstance(tiers, int):
+    tiers = ["stream"] * tiers + ["host"] * (n - tiers)
   h2d_rate, d2h_rate = rates.h2d_gbps * 1e9, rates.d2h_gbps * 1e9
   opt_rate = rates.host_adamw_in_step_gparams * 1e9
-  n = len(layers)
   free = {"h2d": 0.0, "compute": 0.0, "d2h": 0.0, "opt": 0.0}
   updated = [0.0] * n  # when group g's last update finished
-  moments_back = [0.0] * n  # when a device-updated group's m and v were last back in host memory
+  moments_back = [0.0] * n  # when a stream group's optimizer state was last back in host memory
   starts = []
 
   def run(lane, ready, dur):
@@ -246,7 +340,7 @@ def simulate(layers: list[Layer], n_device: int, rates: Rates, inflight: int = 2
     done = [0.0] * n  # forward compute done
     for g, lay in enumerate(layers):
       gate = done[g - 1 - inflight] if g - 1 - inflight >= 0 else host_t
-      arrived = (updated[g] if g < n_device else
+      arrived = (updated[g] if tiers[g] != "host" else
                  run("h2d", max(updated[g], gate), 4 * lay.params / h2d_rate))
       done[g] = run("compute", max(arrived, gate), lay.fwd_s)
       if lay.checkpoint_bytes:
@@ -257,19 +351,23 @@ def simulate(layers: list[Layer], n_device: int, rates: Rates, inflight: int = 2
       gate = opt_done[-grad_queue - 1] if len(opt_done) > grad_queue else host_t
       if g + 2 + inflight < n:
         gate = max(gate, bwd_done[g + 2 + inflight])
-      lay = layers[g]
+      lay, tier = layers[g], tiers[g]
       if g == n - 1:  # the head's gradient exists once its (forward) step ran
         computed = done[-1]
-        if g < n_device:  # its moments, for the device update, once last step's are back
+        if tier == "stream":  # its moments, for the device update, once last step's are back
           run("h2d", max(gate, moments_back[g]), 8 * lay.params / h2d_rate)
       else:
-        # weights (the embedding's backward needs none), or only the moments when device-updated
-        nbytes = (8 * lay.params if g < n_device else 4 * lay.params * (g > 0)) + lay.checkpoint_bytes
-        arrived = run("h2d", max(gate, moments_back[g]) if g < n_device else gate, nbytes / h2d_rate)
+        # weights (the embedding's backward needs none), or only the moments when streamed
+        nbytes = {"stream": 8 * lay.params, "host": 4 * lay.params * (g > 0),
+                  "device": 0}[tier] + lay.checkpoint_bytes
+        ready = max(gate, moments_back[g]) if tier == "stream" else gate
+        arrived = run("h2d", ready, nbytes / h2d_rate) if nbytes else ready
         computed = run("compute", max(arrived, gate), lay.bwd_s)
       bwd_done[g] = computed
-      if g < n_device:  # m and v go back; the device's new weights stay for the next forward
+      if tier == "stream":  # m and v go back; the device's new weights stay for the next forward
         moments_back[g] = run("d2h", computed, 8 * lay.params / d2h_rate)
+        updated[g] = computed
+      elif tier == "device":
         updated[g] = computed
       else:
         landed = run("d2h", computed, 4 * lay.params / d2h_rate)
@@ -296,6 +394,71 @@ def device_memory_limit(device) -> int | None:
   return None if not stats else stats.get("bytes_limit")
 
 
+def probe_device_memory() -> int | None:
+  """Total memory of the first GPU, read without starting the jax backend (nvidia-smi), or None."""
+  if os.environ.get("JAX_PLATFORMS", "").strip() == "cpu":
+    return None
+  try:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=20)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  first = out.stdout.strip().splitlines()[:1]
+  return int(float(first[0])) * 2**20 if out.returncode == 0 and first else None
+
+
+def backend_started() -> bool:
+  from jax._src import xla_bridge  # noqa: PLC0415 - only to ask whether it has started
+  return bool(getattr(xla_bridge, "_backends", None))
+
+
+# The share of a GPU's memory XLA's allocator may take (its own default is 75%): the rest holds the
+# CUDA context, cuDNN's workspace and the pinned-pool bookkeeping.
+DEVICE_MEMORY_FRACTION = 0.92
+
+
+def prepare(cfg: config_lib.Config, host_limit: int | None = None
+            ) -> tuple[config_lib.Config, Plan]:
+  """Plans a run and makes every placement choice once; call it before anything touches jax.
+
+  Before the backend starts it caps XLA's pinned host pool near what the plan pins and sets the
+  device memory the run may use (`engine.device_memory_gb`, else 92% of the GPU); library users
+  call it too (examples/custom_loop.py). After the backend starts it re-plans with the device's
+  real limit and the layer executables' device bytes from XLA's analysis of the compiled code, and
+  refuses (PlanError) a run that does not fit, before any state is allocated.
+
+  Returns:
+    (the config with a concrete placement, the plan).
+  """
+  import jax  # noqa: PLC0415 - imported late: the environment must be set before the backend starts
+
+  host_limit = host_memory_limit() if host_limit is None else host_limit
+  fresh = not backend_started()
+  pinned_cap = None
+  if fresh:
+    total = probe_device_memory()
+    limit = None
+    if total is not None:
+      want = cfg.engine.device_memory_gb
+      frac = min(want * GiB / total, 1.0) if want else DEVICE_MEMORY_FRACTION
+      os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{frac:.4f}")
+      limit = int(total * float(os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"]))
+    first = make(cfg, host_limit, limit, Rates(accelerator=total is not None))
+    configure_pinned_pool(first)
+  device = jax.devices()[0]
+  accel = device.platform != "cpu"
+  if accel:
+    pinned_cap = int(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64")) * GiB
+  from mtjax import engine as engine_lib, optimizer as opt_lib, state as state_lib  # noqa: PLC0415
+  working = engine_lib.compiled_memory(cfg, device)
+  rule = opt_lib.UpdateRule(cfg.optim, cfg.decay_steps)
+  opt_bytes = {k: rule.state_bytes(lay) for k, lay in state_lib.layouts(cfg.model).items()}
+  plan = make(cfg, host_limit, device_memory_limit(device), Rates(accelerator=accel), working,
+              opt_bytes, pinned_cap)
+  check(plan)
+  return plan.resolve(cfg), plan
+
+
 def configure_pinned_pool(plan: Plan) -> None:
   """Caps XLA's pinned host pool near what the run pins. The pool grows in doubling regions up to
   its cap, so a loose cap can pin up to twice what is used; a user's own setting wins. Must run
@@ -306,24 +469,34 @@ def configure_pinned_pool(plan: Plan) -> None:
 def check(plan: Plan) -> None:
   """Raises PlanError (one line: the numbers and what to change) if the plan does not fit."""
   if not plan.fits_host:
+    state = plan.host["master weights"] + plan.host["optimizer state"]
     raise PlanError(
         f"does not fit in host memory: needs {plan.host_total / GiB:.1f} GiB "
-        f"({plan.host_bytes_per_param:.1f} B/param state for {plan.params / 1e9:.2f}B params + "
-        f"{(plan.host_total - plan.host['master weights'] - plan.host['AdamW moments']) / GiB:.1f} "
-        f"GiB buffers), limit {plan.host_limit / GiB:.1f} GiB; use a smaller model, "
-        f"engine.checkpoints=device, optim.clip_mode=recompute or a lower engine.grad_queue")
+        f"({state / GiB:.1f} GiB state of {plan.params / 1e9:.2f}B params + "
+        f"{(plan.host_total - state) / GiB:.1f} GiB buffers, "
+        f"{plan.device_state_layers} groups' state in device memory), limit "
+        f"{plan.host_limit / GiB:.1f} GiB; use a smaller model, engine.activations=device, "
+        f"optim.clip_mode=recompute, more engine.device_state_layers or a lower engine.grad_queue")
+  if not plan.fits_pool:
+    raise PlanError(
+        f"does not fit in the pinned host pool: needs {pinned_pool_bytes(plan.pinned) / GiB:.1f} "
+        f"GiB, cap {plan.pinned_cap / GiB:.1f} GiB (set before the backend started); call "
+        f"mtjax.plan.prepare before anything touches jax, or set XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")
   if not plan.fits_device:
     top = max(plan.device, key=plan.device.get)
     raise PlanError(
         f"does not fit in device memory: needs {plan.device_total / GiB:.1f} GiB (largest: {top} "
         f"{plan.device[top] / GiB:.1f} GiB), limit {plan.device_limit / GiB:.1f} GiB; lower "
-        f"train.batch or engine.micro_batch, use engine.checkpoints=host or fewer "
-        f"engine.device_update_layers")
+        f"train.batch or engine.micro_batch, use engine.activations=host or fewer "
+        f"engine.device_state_layers / engine.device_update_layers")
 
 
 def format_plan(plan: Plan) -> str:
   lim = lambda x: "unknown" if x is None else f"{x / GiB:.1f} GiB"
-  lines = [f"{plan.params / 1e6:,.1f}M parameters; host state {plan.host_bytes_per_param:.2f} B/param",
+  tiers = {t: plan.tiers.count(t) for t in ("device", "stream", "host")}
+  lines = [f"{plan.params / 1e6:,.1f}M parameters; state {plan.host_bytes_per_param:.2f} B/param; "
+           f"layer groups: {tiers['device']} in device memory, {tiers['stream']} streamed "
+           f"(device update), {tiers['host']} on the host",
            f"host memory: {plan.host_total / GiB:.2f} GiB of {lim(plan.host_limit)} "
            f"({'fits' if plan.fits_host else 'DOES NOT FIT'}); pinned {plan.pinned / GiB:.2f} GiB"]
   lines += [f"  {k:<34}{v / GiB:>9.2f} GiB" for k, v in plan.host.items() if v]
@@ -333,22 +506,26 @@ def format_plan(plan: Plan) -> str:
   lines += [f"predicted step >= {plan.predicted_step_s:.3f} s (roofline: "
             + ", ".join(f"{k} {v:.3f}" for k, v in plan.step_s.items()) + ")",
             f"predicted step {plan.schedule_best_s:.3f}-{plan.schedule_s:.3f} s (the engine's "
-            f"schedule, simulated; host AdamW at its best-worst in-step rate) with "
-            f"{plan.device_update_layers} layer groups updated on the device"]
+            f"schedule, simulated; host AdamW at its best-worst in-step rate)",
+            "device bytes of the layer executables: " + ("from XLA's analysis of the compiled code"
+                                                         if plan.compiled else "estimated")]
   return "\n".join(lines)
 
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m mtjax.plan", description=__doc__)
-  p.add_argument("--no-device", action="store_true", help="do not ask the accelerator its memory")
+  p.add_argument("--no-device", action="store_true",
+                 help="plan without starting the accelerator (device bytes estimated, no device limit)")
   args, cfg = config_lib.parse_cli(p, argv)
-  plan = make(cfg, host_limit=host_memory_limit())
-  if not args.no_device:
-    configure_pinned_pool(plan)
-    import jax
-    device = jax.devices()[0]
-    plan = make(cfg, plan.host_limit, device_memory_limit(device),
-                Rates(accelerator=device.platform != "cpu"))
+  if args.no_device:
+    plan = make(cfg, host_limit=host_memory_limit(),
+                rates=Rates(accelerator=probe_device_memory() is not None))
+  else:
+    try:
+      _, plan = prepare(cfg)
+    except PlanError as e:
+      print(f"refused: {e}", file=sys.stderr)
+      return 1
   print(format_plan(plan))
   return 0 if plan.fits_host and plan.fits_device else 1
 

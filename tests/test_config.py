@@ -20,9 +20,9 @@ def test_shipped_configs_load_and_bench_shape_is_3b():
 
 
 def test_overrides_are_typed_and_applied_in_order():
-  cfg = config.load(CONFIGS / "tiny.yaml", ["train.steps=3", "optim.lr=1e-3", "engine.overlap=false",
+  cfg = config.load(CONFIGS / "tiny.yaml", ["train.steps=3", "optim.lr=1e-3", "model.qk_norm=true",
                                             "optim.clip_norm=1", "train.steps=4"])
-  assert cfg.train.steps == 4 and cfg.optim.lr == 1e-3 and cfg.engine.overlap is False
+  assert cfg.train.steps == 4 and cfg.optim.lr == 1e-3 and cfg.model.qk_norm is True
   assert cfg.optim.clip_norm == 1.0 and isinstance(cfg.optim.clip_norm, float)
 
 
@@ -31,8 +31,12 @@ def test_overrides_are_typed_and_applied_in_order():
     (["foo.bar=1"], "foo"),
     (["train.steps=ten"], "train.steps"),
     (["train.steps=2.5"], "train.steps"),
-    (["engine.overlap=1"], "engine.overlap"),
-    (["engine.checkpoints=disk"], "engine.checkpoints"),
+    (["model.qk_norm=1"], "model.qk_norm"),
+    (["engine.activations=disk"], "engine.activations"),
+    (["engine.overlap=false"], "engine.overlap"),
+    (["optim.name=adamax"], "optim.name"),
+    (["engine.device_state_layers=-1"], "engine.device_state_layers"),
+    (["engine.device_memory_gb=0"], "engine.device_memory_gb"),
     (["train.batch=0"], "train.batch"),
     (["model.kv_heads=3"], "model.kv_heads"),
     (["model.heads=5"], "model.heads"),

@@ -10,8 +10,10 @@ import optax
 import pytest
 from hypothesis import given, strategies as hst
 
+import dataclasses
+
 import reference as ref
-from mtjax import config, data, engine, state as state_lib
+from mtjax import config, data, engine, store as store_lib
 from mtjax.optimizer import schedule
 
 
@@ -19,7 +21,8 @@ def make_cfg(model=None, engine_=None, optim=None, train=None) -> config.Config:
   base_model = dict(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=48)
   return config.from_dict({
       "model": {**base_model, **(model or {})},
-      "engine": {"compute_dtype": "float32", "loss_chunk": 24, **(engine_ or {})},
+      "engine": {"compute_dtype": "float32", "loss_chunk": 24, "device_state_layers": 0,
+                 **(engine_ or {})},
       "optim": {"lr": 1e-2, "warmup_steps": 2, "weight_decay": 0.1, **(optim or {})},
       "train": {"batch": 4, "seq": 8, "steps": 4, **(train or {})},
   })
@@ -38,10 +41,39 @@ def configs(draw):
                qkv_bias=draw(hst.booleans()),
                rope_scaling=draw(hst.sampled_from(["none", "linear", "llama3"])),
                rope_factor=2.0, rope_original_max_len=16)
+  groups = model["layers"] + 2
+  n_state = draw(hst.integers(0, groups))  # tiered placements: device, stream, host groups
   engine_ = dict(micro_batch=draw(hst.sampled_from([None] + [d for d in (1, 2) if batch % d == 0])),
-                 loss_chunk=draw(hst.sampled_from([5, 16, 1024])))
+                 loss_chunk=draw(hst.sampled_from([5, 16, 1024])), device_state_layers=n_state,
+                 device_update_layers=draw(hst.integers(0, groups - n_state)))
   train = dict(batch=batch, seq=draw(hst.sampled_from([4, 8, 12])))
   return make_cfg(model, engine_, train=train)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedBatch:
+  """A batch of packed documents: what the engine reads beyond inputs and targets."""
+  inputs: np.ndarray
+  targets: np.ndarray
+  positions: np.ndarray
+  segments: np.ndarray
+  loss_weights: np.ndarray
+
+
+def packed(b, seed):
+  """`b` cut into documents at random places: positions restart, segments split, and the loss
+  weighs a random subset of tokens (an SFT mask) and never a document's last token."""
+  rng = np.random.default_rng(seed)
+  B, T = b.inputs.shape
+  seg = np.cumsum(rng.random((B, T)) < 0.3, axis=1).astype(np.int32)
+  pos = np.zeros((B, T), np.int32)
+  for r in range(B):
+    for t in range(1, T):
+      pos[r, t] = 0 if seg[r, t] != seg[r, t - 1] else pos[r, t - 1] + 1
+  last = np.concatenate([seg[:, 1:] != seg[:, :-1], np.ones((B, 1), bool)], axis=1)
+  lw = ((rng.random((B, T)) < 0.7) & ~last).astype(np.float32)
+  lw[0, 0] = 1.0  # never all zero
+  return PackedBatch(b.inputs, b.targets, pos, seg, lw)
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4))
@@ -49,57 +81,72 @@ def ref_value_and_grad(params, inputs, targets, cfg, dtype=jnp.float32):
   return jax.value_and_grad(ref.loss_fn)(params, inputs, targets, cfg, dtype)
 
 
-def batch_for(cfg, step=0):
-  return data.synthetic_batch(step, cfg.train.batch, cfg.train.seq, cfg.model.vocab_size, seed=7)
+def batch_for(cfg, step=0, pack=False):
+  b = data.synthetic_batch(step, cfg.train.batch, cfg.train.seq, cfg.model.vocab_size, seed=7)
+  return packed(b, step) if pack else b
 
 
-def new_engine(cfg, seed=0):
-  st = state_lib.create(cfg.model, jax.random.key(seed))
-  return st, engine.Engine(cfg, st)
+def new_engine(cfg, seed=0, overlap=True):
+  st = store_lib.create(cfg, jax.random.key(seed))
+  return st, engine.Engine(cfg, st, overlap)
 
 
-def streamed_and_reference(cfg, st, eng, step=0):
+def ref_loss_and_grads(cfg, params, b):
+  extra = {k: getattr(b, k) for k in ("positions", "segments", "loss_weights") if hasattr(b, k)}
+  return jax.value_and_grad(ref.loss_fn)(params, b.inputs, b.targets, cfg.model, **extra)
+
+
+def streamed_and_reference(cfg, st, eng, step=0, pack=False):
   """(loss, per-group grads) from the engine and from jax.grad of the reference at st's weights."""
-  b = batch_for(cfg, step)
+  b = batch_for(cfg, step, pack)
   loss, grads = eng.grads(b)
-  ref_loss, ref_tree = ref_value_and_grad(st.to_tree(), b.inputs, b.targets, cfg.model)
+  ref_loss, ref_tree = ref_loss_and_grads(cfg, st.to_tree(), b)
   return loss, grads, float(ref_loss), ref.flat_grads(st, ref_tree)
 
 
-@given(configs())
-def test_streamed_grads_equal_whole_model_grad(cfg):
+@given(configs(), hst.booleans())
+def test_streamed_grads_equal_whole_model_grad(cfg, pack):
   st, eng = new_engine(cfg)
-  loss, grads, ref_loss, ref_grads = streamed_and_reference(cfg, st, eng)
+  loss, grads, ref_loss, ref_grads = streamed_and_reference(cfg, st, eng, pack=pack)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   for g, r, grp in zip(grads, ref_grads, st.groups):
     chex.assert_trees_all_close(g, r, rtol=1e-4, atol=1e-6, custom_message=grp.name)
   eng.close()
 
 
+def reference_tx(o, decay_steps):
+  """The optax transformation a config names, built here from optax alone."""
+  sched = schedule(o, decay_steps)
+  tx = {
+      "adamw": lambda: optax.adamw(sched, b1=o.b1, b2=o.b2, eps=o.eps,
+                                   weight_decay=o.weight_decay, mask=ref.decay_mask),
+      "lion": lambda: optax.lion(sched, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay,
+                                 mask=ref.decay_mask),
+      "sgd": lambda: optax.sgd(sched, momentum=o.momentum),
+      "adam": lambda: optax.adam(sched, b1=o.b1, b2=o.b2, eps=o.eps),
+  }[o.name]()
+  return tx if o.clip_norm is None else optax.chain(optax.clip_by_global_norm(o.clip_norm), tx)
+
+
 def reference_training(cfg, params, batches):
   """Plain optax on the whole-model reference: the semantics the engine must reproduce."""
-  o = cfg.optim
-  adamw = optax.adamw(schedule(o, cfg.decay_steps), b1=o.b1, b2=o.b2, eps=o.eps,
-                      weight_decay=o.weight_decay, mask=ref.decay_mask)
-  tx = adamw if o.clip_norm is None else optax.chain(optax.clip_by_global_norm(o.clip_norm), adamw)
+  tx = reference_tx(cfg.optim, cfg.decay_steps)
   opt_state = tx.init(params)
   losses = []
   for b in batches:
-    loss, grads = ref_value_and_grad(params, b.inputs, b.targets, cfg.model)
+    loss, grads = ref_loss_and_grads(cfg, params, b)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     losses.append(float(loss))
-  adam_state = opt_state[0] if o.clip_norm is None else opt_state[1][0]
-  return params, adam_state.mu, adam_state.nu, losses
+  return params, opt_state, losses
 
 
-def assert_training_matches_optax(cfg, steps=3):
-  st, eng = new_engine(cfg)
-  batches = [batch_for(cfg, i) for i in range(steps)]
-  want_w, want_m, want_v, want_losses = reference_training(cfg, st.to_tree(), batches)
+def assert_training_matches_optax(cfg, steps=3, overlap=True, pack=False):
+  st, eng = new_engine(cfg, overlap=overlap)
+  batches = [batch_for(cfg, i, pack) for i in range(steps)]
+  want_w, want_state, want_losses = reference_training(cfg, st.to_tree(), batches)
   losses = [eng.step(b).loss for b in batches]
   eng.sync()
-  m, v = st.moments_tree()
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
   # Adam scales every coordinate's step to O(lr) whatever its gradient's size, so where a gradient
   # nearly cancels (the k bias: softmax is almost shift-invariant) a summation-order difference of
@@ -107,31 +154,44 @@ def assert_training_matches_optax(cfg, steps=3):
   # decay mask, clipping) moves weights by O(0.1 * lr) or more.
   atol_w = 1e-3 * cfg.optim.lr
   chex.assert_trees_all_close(st.to_tree(), jax.tree.map(np.asarray, want_w), rtol=1e-5, atol=atol_w)
-  chex.assert_trees_all_close(m, jax.tree.map(np.asarray, want_m), rtol=1e-4, atol=1e-7)
-  chex.assert_trees_all_close(v, jax.tree.map(np.asarray, want_v), rtol=1e-4, atol=1e-9)
+  if cfg.optim.name == "adamw" and cfg.optim.impl == "fused":
+    adam = want_state[0] if cfg.optim.clip_norm is None else want_state[1][0]
+    m, v = st.moments_tree()
+    chex.assert_trees_all_close(m, jax.tree.map(np.asarray, adam.mu), rtol=1e-4, atol=1e-7)
+    chex.assert_trees_all_close(v, jax.tree.map(np.asarray, adam.nu), rtol=1e-4, atol=1e-9)
   assert st.step == steps
   eng.close()
 
 
-@given(configs())
-def test_k_streamed_steps_equal_plain_optax(cfg):
-  assert_training_matches_optax(cfg)
+@given(configs(), hst.booleans())
+def test_k_streamed_steps_equal_plain_optax(cfg, pack):
+  assert_training_matches_optax(cfg, pack=pack)
+
+
+def test_serial_engine_equals_plain_optax():
+  assert_training_matches_optax(make_cfg(engine_=dict(device_update_layers=1,
+                                                      device_state_layers=1)), overlap=False)
 
 
 @pytest.mark.parametrize("variant", [
-    dict(engine_=dict(overlap=False)),
-    dict(engine_=dict(checkpoints="host", micro_batch=2)),
+    dict(engine_=dict(activations="host", micro_batch=2)),
     dict(optim=dict(impl="optax")),
+    dict(optim=dict(name="lion", lr=1e-3)),
+    dict(optim=dict(name="sgd", momentum=0.9), engine_=dict(device_state_layers=2)),
+    dict(optim=dict(name="adam", clip_norm=0.05), engine_=dict(device_update_layers=2)),
     dict(optim=dict(clip_norm=0.05, clip_mode="host_buffer")),
     dict(optim=dict(clip_norm=0.05, clip_mode="recompute"), model=dict(tie_embeddings=True)),
     dict(optim=dict(clip_norm=1e3, clip_mode="host_buffer")),  # threshold above the norm: no clip
     dict(engine_=dict(device_update_layers=2)),
     dict(engine_=dict(device_update_layers=4), model=dict(tie_embeddings=True),
          optim=dict(clip_norm=0.05, clip_mode="recompute")),
-    dict(engine_=dict(device_update_layers=3, overlap=False),
+    dict(engine_=dict(device_update_layers=1, device_state_layers=2),
          optim=dict(clip_norm=0.05, clip_mode="host_buffer")),
-], ids=["serial", "host-checkpoints", "optax-impl", "clip-host-buffer", "clip-recompute-tied",
-        "clip-inactive", "device-update-2", "device-update-all-tied-clip", "device-update-serial"])
+    dict(engine_=dict(device_state_layers=4), model=dict(tie_embeddings=True),
+         optim=dict(clip_norm=0.05, clip_mode="recompute")),
+], ids=["host-activations", "optax-impl", "lion", "sgd-device-tier", "adam-streamed-clip",
+        "clip-host-buffer", "clip-recompute-tied", "clip-inactive", "device-update-2",
+        "device-update-all-tied-clip", "tiers-mixed-clip", "device-tier-all-tied-recompute"])
 def test_engine_variants_equal_plain_optax(variant):
   assert_training_matches_optax(make_cfg(**variant))
 
@@ -198,24 +258,32 @@ def test_compilations_do_not_grow_with_layers_or_steps(clip):
   assert one_layer[0] <= 10
 
 
-def test_state_is_host_resident_at_12_bytes_per_param():
-  cfg = make_cfg()
+@pytest.mark.parametrize("n_state,n_stream", [(0, 0), (0, 2), (2, 1), (4, 0)])
+def test_state_bytes_are_where_the_placement_says(n_state, n_stream):
+  cfg = make_cfg(engine_=dict(device_state_layers=n_state, device_update_layers=n_stream))
   st, eng = new_engine(cfg)
   eng.step(batch_for(cfg))
   eng.sync()
-  assert st.host_bytes() == 12 * st.n_params
+  # Counted from the buffers the store holds, by the memory each one sits in.
+  got = {"host": 0, "pinned_host": 0, "device": 0}
   for g in st.groups:
-    assert g.w.sharding.memory_kind == "pinned_host"
-    assert g.w_np.dtype == g.m_np.dtype == g.v_np.dtype == np.float32
+    for a in [g.w, *jax.tree.leaves(g.opt)]:
+      assert a.dtype == np.float32
+      got["host" if isinstance(a, np.ndarray) else a.sharding.memory_kind] += a.size * 4
+  sizes = [g.size for g in st.groups]
+  dev, stream, host = sizes[:n_state], sizes[n_state:n_state + n_stream], sizes[n_state + n_stream:]
+  assert got == {"device": 12 * sum(dev), "pinned_host": 12 * sum(stream) + 4 * sum(host),
+                 "host": 8 * sum(host)}
+  assert st.tiers() == ["device"] * n_state + ["stream"] * n_stream + ["host"] * len(host)
   eng.close()
 
 
 def test_weights_loaded_between_steps_replace_device_copies():
-  cfg = make_cfg(engine_=dict(device_update_layers=3))
+  cfg = make_cfg(engine_=dict(device_update_layers=2, device_state_layers=1))
   st, eng = new_engine(cfg)
   eng.step(batch_for(cfg))
   eng.sync()
-  st.load_tree(state_lib.create(cfg.model, jax.random.key(9)).to_tree())
+  st.load_tree(store_lib.create(cfg, jax.random.key(9)).to_tree())
   loss, grads, ref_loss, ref_grads = streamed_and_reference(cfg, st, eng, step=1)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   for g, r in zip(grads, ref_grads):
@@ -230,28 +298,56 @@ def test_bad_batch_is_refused_without_touching_state():
   bad = data.Batch(np.full((4, 8), 64, np.int32), np.zeros((4, 8), np.int32))
   with pytest.raises(ValueError, match="batch.inputs"):
     eng.step(bad)
+  b = batch_for(cfg)
+  with pytest.raises(ValueError, match="batch.loss_weights"):
+    eng.step(PackedBatch(b.inputs, b.targets, np.zeros((4, 8), np.int32),
+                         np.zeros((4, 8), np.int32), np.zeros((4, 8), np.float32)))
   chex.assert_trees_all_equal(st.to_tree(), before)
   assert st.step == 0
   eng.close()
 
 
-def test_device_updated_weights_reach_the_host_at_sync_and_loaded_weights_win():
+def test_streamed_weights_reach_the_host_at_sync_and_loaded_weights_win():
   cfg = make_cfg(engine_=dict(device_update_layers=3))
   st, eng = new_engine(cfg)
   eng.step(batch_for(cfg))
   eng.sync()
   synced = st.to_tree()
   eng.step(batch_for(cfg, 1))
-  eng.opt.wait_all()  # host updates done; the device-updated groups' host weights still lag
-  assert np.array_equal(st.embed.w_np, st.embed.layout.flatten(synced["embed"]))
+  st.host_opt.wait_all()  # host updates done; the streamed groups' host weights still lag
+  assert np.array_equal(np.asarray(st.embed.w), st.embed.layout.flatten(synced["embed"]))
   eng.sync()
-  assert not np.allclose(st.embed.w_np, st.embed.layout.flatten(synced["embed"]))
+  assert not np.allclose(np.asarray(st.embed.w), st.embed.layout.flatten(synced["embed"]))
   eng.step(batch_for(cfg, 2))
-  eng.opt.wait_all()
-  fresh = state_lib.create(cfg.model, jax.random.key(9)).to_tree()
+  st.host_opt.wait_all()
+  fresh = store_lib.create(cfg, jax.random.key(9)).to_tree()
   st.load_tree(fresh)  # overwrites the host weights while the device holds newer ones
   eng.close()  # syncs: the loaded weights must survive it
   chex.assert_trees_all_equal(st.to_tree(), fresh)
+
+
+def test_error_in_the_optimizer_thread_reaches_the_caller_and_spares_the_group():
+  cfg = make_cfg(model=dict(layers=3))
+  st, eng = new_engine(cfg)
+  eng.step(batch_for(cfg))
+  eng.sync()
+  before = st.read(2)
+  real = st.rule.host_update
+
+  def failing(w, opt, g, step, scale, layout):
+    if layout is st.groups[2].layout and w is st._host_view(2, "w"):
+      raise RuntimeError("injected failure in the host update of block_1")
+    return real(w, opt, g, step, scale, layout)
+
+  st.rule.host_update = failing
+  with pytest.raises(RuntimeError, match="injected failure"):
+    eng.step(batch_for(cfg, 1))
+    eng.sync()
+  after = st.read(2)
+  np.testing.assert_array_equal(after["w"], before["w"])  # the failed group was not touched
+  chex.assert_trees_all_equal(after["opt"], before["opt"])
+  st.rule.host_update = real
+  eng.close()
 
 
 @pytest.mark.parametrize("device_updates", [0, 2])
@@ -260,11 +356,11 @@ def test_schedule_runs_on_the_cpu_once_per_step(device_updates):
   # computed, so evaluating it per update made every host update wait for the device's work.
   cfg = make_cfg(engine_={"device_update_layers": device_updates})
   st, eng = new_engine(cfg)
-  seen, sched = [], eng.opt.schedule
+  seen, sched = [], st.rule.schedule
   def recording(step):
     seen.append((step, jax.config.jax_default_device))
     return sched(step)
-  eng.opt.schedule = recording
+  st.rule.schedule = recording
   for step in range(3):
     eng.step(batch_for(cfg, step))
   eng.close()

@@ -79,7 +79,7 @@ def test_chunked_head_equals_full_logits_loss(tied, chunk):
   wt = jax.random.normal(k[1], (lays["embed"].size,)) * 0.3 if tied else None
   x = jax.random.normal(k[2], (3, 16, cfg.hidden))
   t = jax.random.randint(k[3], (3, 16), 0, cfg.vocab_size)
-  loss, dx, gh, gt = jax.jit(fns.head_step)(wh, wt, x, t, np.float32(1 / 48))
+  loss, dx, gh, gt = jax.jit(fns.head_step)(wh, wt, x, t, np.full((3, 16), 1 / 48, np.float32))
 
   def full(wh, wt, x):
     hp = lays["head"].unflatten(wh)

@@ -1,5 +1,6 @@
-"""The host AdamW against optax.adamw (+ clip_by_global_norm) applied to the same arrays."""
+"""Host and device updates against optax (adamw, lion, sgd, adafactor) applied to the same arrays."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,71 +8,97 @@ import optax
 import pytest
 from hypothesis import given, strategies as hst
 
-from mtjax import config, state as state_lib
-from mtjax.optimizer import HostOptimizer, adamw_on_device, clip_scale, schedule
+from mtjax import config, state as state_lib, store as store_lib
+from mtjax.optimizer import HostOptimizer, UpdateRule, clip_scale, schedule
 
 
-def make_group(n_mat, n_vec, rng):
+def make_group(n_mat, n_vec, rng, rule=None):
   lay = state_lib.Layout.from_shapes({"a": jax.ShapeDtypeStruct((n_mat, 3), jnp.float32),
                                       "b": jax.ShapeDtypeStruct((n_vec,), jnp.float32)})
   w = rng.standard_normal(lay.size).astype(np.float32)
-  return state_lib.Group("g", "block", lay, w, np.zeros(lay.size, np.float32),
-                         np.zeros(lay.size, np.float32))
+  opt = (rule or UpdateRule(config.OptimConfig(), 10)).init_host(lay)
+  return store_lib.Group("g", "block", lay, "host", w, opt)
 
 
-@given(impl=hst.sampled_from(["fused", "optax"]), n_mat=hst.integers(1, 50),
-       n_vec=hst.integers(1, 20), wd=hst.sampled_from([0.0, 0.1]),
+def view_of(group):
+  return lambda attr: group.w if attr == "w" else group.opt[attr]
+
+
+REFERENCE = {  # built from optax alone, as a user would
+    "adamw": lambda c, s: optax.adamw(s, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay,
+                                      mask=lambda p: jax.tree.map(lambda a: a.ndim >= 2, p)),
+    "lion": lambda c, s: optax.lion(s, b1=c.b1, b2=c.b2, weight_decay=c.weight_decay,
+                                    mask=lambda p: jax.tree.map(lambda a: a.ndim >= 2, p)),
+    "sgd": lambda c, s: optax.sgd(s, momentum=c.momentum),
+    "adafactor": lambda c, s: optax.adafactor(
+        s, weight_decay_rate=c.weight_decay or None,
+        weight_decay_mask=lambda p: jax.tree.map(lambda a: a.ndim >= 2, p)),
+}
+
+
+@given(opt=hst.sampled_from([("adamw", "fused"), ("adamw", "optax"), ("lion", "optax"),
+                             ("sgd", "optax"), ("adafactor", "optax")]),
+       n_mat=hst.integers(1, 50), n_vec=hst.integers(1, 20), wd=hst.sampled_from([0.0, 0.1]),
        scale=hst.sampled_from([1.0, 0.3]), warmup=hst.sampled_from([0, 2]))
-def test_host_adamw_equals_optax(impl, n_mat, n_vec, wd, scale, warmup):
-  cfg = config.OptimConfig(impl=impl, lr=0.05, weight_decay=wd, warmup_steps=warmup)
+def test_host_updates_equal_optax(opt, n_mat, n_vec, wd, scale, warmup):
+  name, impl = opt
+  cfg = config.OptimConfig(name=name, impl=impl, lr=0.05, weight_decay=wd, warmup_steps=warmup)
+  rule = UpdateRule(cfg, 6)
   rng = np.random.default_rng(n_mat * 100 + n_vec)
-  grp = make_group(n_mat, n_vec, rng)
-  params = grp.layout.unflatten(grp.w_np.copy())
-  tx = optax.adamw(schedule(cfg, 6), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=wd,
-                   mask=lambda p: jax.tree.map(lambda a: a.ndim >= 2, p))
+  grp = make_group(n_mat, n_vec, rng, rule)
+  params = grp.layout.unflatten(grp.w.copy())
+  tx = REFERENCE[name](cfg, schedule(cfg, 6))
   opt_state = tx.init(params)
-  opt = HostOptimizer(cfg, 6)
+  host = HostOptimizer(cfg, rule)
   for step in range(4):
     g = rng.standard_normal(grp.layout.size).astype(np.float32)
-    opt.update(grp, g, step, scale)
+    host.update(grp, g, step, scale, view_of(grp))
     updates, opt_state = tx.update(jax.tree.map(lambda a: a * scale, grp.layout.unflatten(g)),
                                    opt_state, params)
     params = optax.apply_updates(params, updates)
-  opt.close()
-  np.testing.assert_allclose(grp.w_np, grp.layout.flatten(params), rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(grp.m_np, grp.layout.flatten(opt_state[0].mu), rtol=1e-5, atol=1e-7)
-  np.testing.assert_allclose(grp.v_np, grp.layout.flatten(opt_state[0].nu), rtol=1e-5, atol=1e-9)
+  host.close()
+  np.testing.assert_allclose(grp.w, grp.layout.flatten(params), rtol=1e-5, atol=1e-6)
+  if rule.fused:
+    np.testing.assert_allclose(grp.opt["m"], grp.layout.flatten(opt_state[0].mu), rtol=1e-5,
+                               atol=1e-7)
+    np.testing.assert_allclose(grp.opt["v"], grp.layout.flatten(opt_state[0].nu), rtol=1e-5,
+                               atol=1e-9)
+  else:
+    chex.assert_trees_all_close(grp.opt, jax.tree.map(np.asarray, opt_state), rtol=1e-5, atol=1e-7)
 
 
 def test_worker_thread_applies_updates_in_order():
   rng = np.random.default_rng(0)
   a, b = make_group(10, 3, rng), make_group(10, 3, rng)
   a_ref, b_ref = make_group(10, 3, np.random.default_rng(0)), make_group(10, 3, np.random.default_rng(0))
-  b_ref.w_np[:] = b.w_np
-  opt = HostOptimizer(config.OptimConfig(), 10)
+  b_ref.w[:] = b.w
+  rule = UpdateRule(config.OptimConfig(), 10)
+  opt = HostOptimizer(config.OptimConfig(), rule)
+  views = {0: view_of(a), 1: view_of(b)}
+  view = lambda idx, attr: views[idx](attr)
   grads = [rng.standard_normal(a.layout.size).astype(np.float32) for _ in range(3)]
   for step, g in enumerate(grads):
-    opt.submit(0, a, g, step)
+    opt.submit(0, a, g, step, 1.0, view)
     opt.wait(0)
-    opt.update(a_ref, g, step)
-  opt.submit(1, b, grads[0], 0)
+    opt.update(a_ref, g, step, 1.0, view_of(a_ref))
+  opt.submit(1, b, grads[0], 0, 1.0, view)
   opt.wait_all()
-  opt.update(b_ref, grads[0], 0)
-  np.testing.assert_array_equal(a.w_np, a_ref.w_np)
-  np.testing.assert_array_equal(b.w_np, b_ref.w_np)
+  opt.update(b_ref, grads[0], 0, 1.0, view_of(b_ref))
+  np.testing.assert_array_equal(a.w, a_ref.w)
+  np.testing.assert_array_equal(b.w, b_ref.w)
   opt.close()
 
 
 def test_wrong_gradient_is_refused_without_touching_state():
   grp = make_group(4, 2, np.random.default_rng(0))
-  before = grp.w_np.copy()
-  opt = HostOptimizer(config.OptimConfig(), 10)
+  before = grp.w.copy()
+  opt = HostOptimizer(config.OptimConfig(), UpdateRule(config.OptimConfig(), 10))
   with pytest.raises(ValueError, match="gradient"):
-    opt.update(grp, np.zeros(grp.layout.size + 1, np.float32), 0)
+    opt.update(grp, np.zeros(grp.layout.size + 1, np.float32), 0, 1.0, view_of(grp))
   with pytest.raises(ValueError, match="float32"):
-    opt.update(grp, np.zeros(grp.layout.size, np.float64), 0)
-  np.testing.assert_array_equal(grp.w_np, before)
-  assert not grp.m_np.any()
+    opt.update(grp, np.zeros(grp.layout.size, np.float64), 0, 1.0, view_of(grp))
+  np.testing.assert_array_equal(grp.w, before)
+  assert not grp.opt["m"].any()
   opt.close()
 
 
@@ -92,18 +119,19 @@ def test_clip_scale_matches_optax(norm):
   assert clip_scale(norm, None) == 1.0
 
 
-def test_device_adamw_equals_host_kernel():
-  cfg = config.OptimConfig(lr=0.05, warmup_steps=0)
+@pytest.mark.parametrize("name", ["adamw", "lion"])
+def test_device_update_equals_host_update(name):
+  cfg = config.OptimConfig(name=name, lr=0.05, warmup_steps=0)
+  rule = UpdateRule(cfg, 10)
   rng = np.random.default_rng(5)
-  grp = make_group(30, 7, rng)
-  w, m, v = (jnp.asarray(a) for a in (grp.w_np.copy(), grp.m_np.copy(), grp.v_np.copy()))
-  opt = HostOptimizer(cfg, 10)
-  step = jax.jit(adamw_on_device, static_argnums=(6,))
+  grp = make_group(30, 7, rng, rule)
+  w, opt = jax.device_put(jax.tree.map(np.copy, (grp.w, grp.opt)))  # no aliasing on the CPU
+  host = HostOptimizer(cfg, rule)
+  step = jax.jit(rule.device_update, static_argnums=(4,))
   for i in range(3):
     g = rng.standard_normal(grp.layout.size).astype(np.float32)
-    opt.update(grp, g, i, 0.5)
-    w, m, v = step(w, m, v, g, opt.hyper(i), np.float32(0.5), grp.layout.n_decay)
-  opt.close()
-  np.testing.assert_allclose(w, grp.w_np, rtol=1e-6, atol=1e-7)
-  np.testing.assert_allclose(m, grp.m_np, rtol=1e-6, atol=1e-8)
-  np.testing.assert_allclose(v, grp.v_np, rtol=1e-6, atol=1e-9)
+    host.update(grp, g, i, 0.5, view_of(grp))
+    w, opt = step(w, opt, g * np.float32(0.5), rule.scalars(i), grp.layout)
+  host.close()
+  np.testing.assert_allclose(w, grp.w, rtol=1e-6, atol=1e-7)
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, opt), grp.opt, rtol=1e-6, atol=1e-8)

@@ -9,21 +9,24 @@ import jax
 import pytest
 from hypothesis import given, strategies as hst
 
-from mtjax import config, plan, state as state_lib, train
+from mtjax import config, engine, plan, state as state_lib, store as store_lib, train
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 
 
 @given(heads=hst.sampled_from([2, 4]), kv=hst.sampled_from([1, 2]), bias=hst.booleans(),
-       tied=hst.booleans(), layers=hst.integers(1, 3), head_dim=hst.sampled_from([None, 8]))
-def test_param_counts_equal_the_real_layouts(heads, kv, bias, tied, layers, head_dim):
+       tied=hst.booleans(), layers=hst.integers(1, 3), head_dim=hst.sampled_from([None, 8]),
+       qk_norm=hst.booleans())
+def test_param_counts_equal_the_real_layouts(heads, kv, bias, tied, layers, head_dim, qk_norm):
   m = config.ModelConfig(vocab_size=50, hidden=32, layers=layers, heads=heads, kv_heads=kv,
-                         head_dim=head_dim, ffn=40, qkv_bias=bias, tie_embeddings=tied)
+                         head_dim=head_dim, ffn=40, qkv_bias=bias, tie_embeddings=tied,
+                         qk_norm=qk_norm)
   lays = state_lib.layouts(m)
   pc = plan.param_counts(m)
   assert (pc["embed"], pc["block"], pc["head"]) == (lays["embed"].size, lays["block"].size,
                                                      lays["head"].size)
-  assert pc["total"] == state_lib.create(m, jax.random.key(0)).n_params
+  cfg = config.Config(model=m, engine=config.EngineConfig(device_state_layers=0))
+  assert pc["total"] == store_lib.create(cfg, jax.random.key(0)).n_params
 
 
 def test_shipped_shapes_have_their_nominal_sizes():
@@ -33,31 +36,64 @@ def test_shipped_shapes_have_their_nominal_sizes():
                                  "llama_7b.yaml": 6.74, "llama_9b.yaml": 9.17}, abs=0.01)
 
 
-def test_host_state_figures_equal_the_allocation():
-  cfg = config.load(CONFIGS / "tiny.yaml")
-  p = plan.make(cfg)
-  st = state_lib.create(cfg.model, jax.random.key(0))
-  assert p.host["master weights"] + p.host["AdamW moments"] == st.host_bytes()
-  assert p.host_bytes_per_param == 12.0
+@pytest.mark.parametrize("placement", [(0, 0), (1, 2), (4, 0)])
+def test_state_figures_equal_the_allocation(placement):
+  n_state, n_stream = placement
+  over = [f"engine.device_state_layers={n_state}", f"engine.device_update_layers={n_stream}"]
+  cfg, p = plan.prepare(config.load(CONFIGS / "tiny.yaml", over))
+  st = store_lib.create(cfg, jax.random.key(0))
+  allocated = st.allocated_bytes()  # summed over the buffers the store really holds
+  assert p.host["master weights"] + p.host["optimizer state"] == allocated["host"] + allocated["pinned"]
+  assert p.device["weights and optimizer state (device tier)"] == allocated["device"]
+  assert p.host_bytes_per_param == 12.0 and p.tiers == tuple(st.tiers())
   buffered = plan.make(config.load(CONFIGS / "tiny.yaml", ["optim.clip_norm=1.0"]))
   assert buffered.host["clip gradient buffer"] == 4 * st.n_params  # said plainly: +4 B/param
   recompute = plan.make(config.load(CONFIGS / "tiny.yaml", ["optim.clip_norm=1.0",
                                                             "optim.clip_mode=recompute"]))
   assert recompute.host["clip gradient buffer"] == 0
+  st.close()
+
+
+@pytest.mark.parametrize("name", ["lion", "adafactor"])
+def test_optimizer_state_of_any_optax_rule_is_counted_as_allocated(name):
+  cfg, p = plan.prepare(config.load(CONFIGS / "tiny.yaml", [f"optim.name={name}"]))
+  st = store_lib.create(cfg, jax.random.key(0))
+  allocated = st.allocated_bytes()
+  assert p.host["master weights"] + p.host["optimizer state"] == allocated["host"] + allocated["pinned"]
+  assert p.host["optimizer state"] < 8 * st.n_params  # lion: one moment; adafactor: factored
+  st.close()
+
+
+def test_device_bytes_of_the_layers_come_from_the_compiled_executables():
+  cfg = config.load(CONFIGS / "tiny.yaml", ["engine.device_state_layers=0"])
+  working = engine.compiled_memory(cfg)
+  assert set(working) == {"embed forward", "block forward", "block backward", "head",
+                          "embed backward"}
+  # The block backward holds at least its activations' cotangents: [B, T, ffn] fp32 a few times.
+  t, m = cfg.train, cfg.model
+  assert working["block backward"]["temp"] >= 3 * t.batch * t.seq * m.ffn * 4
+  assert working["block backward"]["output"] >= 4 * (t.batch * t.seq * m.hidden + 1)
+  p = plan.make(cfg, working=working)
+  assert p.compiled and p.device["layer executables (compiled)"] == max(
+      w["temp"] + w["output"] for w in working.values())
+  bigger = engine.compiled_memory(config.load(CONFIGS / "tiny.yaml", ["train.batch=16"]))
+  assert bigger["block backward"]["temp"] > working["block backward"]["temp"]
 
 
 def test_peak_rss_during_init_stays_near_the_state(tmp_path):
   # One 16-block model of ~29M params (350 MB of state); init may add a few layers on top.
   script = textwrap.dedent("""
       import resource, jax, numpy as np
-      from mtjax import config, state, plan
+      from mtjax import config, store
       jax.numpy.zeros(1).block_until_ready()
       m = config.ModelConfig(vocab_size=512, hidden=384, layers=16, heads=6, ffn=1024)
+      cfg = config.Config(model=m, engine=config.EngineConfig(device_state_layers=0))
       base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-      st = state.create(m, jax.random.key(0))
+      st = store.create(cfg, jax.random.key(0))
       peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-      layer = 12 * max(g.layout.size for g in st.groups)
-      print(peak - base, st.host_bytes(), layer)
+      layer = 12 * max(g.size for g in st.groups)
+      a = st.allocated_bytes()
+      print(peak - base, a["host"] + a["pinned"], layer)
   """)
   out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
   grown, state_bytes, layer = map(int, out.stdout.split())
@@ -67,8 +103,8 @@ def test_peak_rss_during_init_stays_near_the_state(tmp_path):
 def test_run_that_cannot_fit_is_refused_before_allocation(monkeypatch):
   cfg = config.load(CONFIGS / "llama_7b.yaml")
   monkeypatch.setattr(plan, "host_memory_limit", lambda: 64 * 2**30)
-  monkeypatch.setattr(state_lib, "create", lambda *a, **k: pytest.fail("allocated before refusing"))
-  with pytest.raises(plan.PlanError, match=r"host memory: needs 80\.\d GiB .* limit 64\.0 GiB"):
+  monkeypatch.setattr(store_lib, "create", lambda *a, **k: pytest.fail("allocated before refusing"))
+  with pytest.raises(plan.PlanError, match=r"host memory: needs \d+\.\d GiB .* limit 64\.0 GiB"):
     train.run(cfg, progress=False)
 
 
@@ -131,32 +167,55 @@ def test_overlapped_schedule_lies_between_its_busiest_lane_and_the_serial_sum(k,
 
 
 def test_planner_picks_device_updates_only_where_they_pay_and_fit():
-  cfg = config.load(CONFIGS / "llama_3b.yaml")
+  load = lambda *o: config.load(CONFIGS / "llama_3b.yaml", ["engine.device_state_layers=0", *o])
+  cfg, auto = load(), load("engine.device_update_layers=auto")
+  G = cfg.model.layers + 2
+  times = lambda rates: [plan.make(load(f"engine.device_update_layers={n}"), rates=rates).schedule_s
+                         for n in range(G + 1)]
   # A device update sends m and v back (8 B/param) where the host path sends the gradient (4): with
   # a slow device->host link and a fast host optimizer, most groups stay on the host.
   slow_link = plan.Rates(h2d_gbps=1e4, d2h_gbps=5, host_adamw_in_step_gparams=1e3)
-  k = plan.choose_device_updates(cfg, rates=slow_link)
-  times = [plan.make(config.load(CONFIGS / "llama_3b.yaml", [f"engine.device_update_layers={n}"]),
-                     rates=slow_link).schedule_s for n in range(cfg.model.layers + 3)]
-  assert k < cfg.model.layers // 4 and times[k] <= 1.02 * min(times)
-  assert all(t > 1.02 * min(times) for t in times[k + 1:])  # the largest count within 2%
+  k = plan.make(auto, rates=slow_link).device_update_layers
+  t = times(slow_link)
+  assert k < cfg.model.layers // 4 and t[k] <= 1.02 * min(t)
+  assert all(x > 1.02 * min(t) for x in t[k + 1:])  # the largest count within 2%
   slow_host = plan.Rates(host_adamw_in_step_gparams=0.5)
-  everything = plan.choose_device_updates(cfg, rates=slow_host)
-  assert everything > cfg.model.layers // 2
-  six = config.load(CONFIGS / "llama_3b.yaml", ["engine.device_update_layers=6"])
-  limit = plan.make(six).device_total  # room for six device-updated groups, no more
-  k = plan.choose_device_updates(cfg, device_limit=limit, rates=slow_host)
-  assert k == 6
-  auto = config.load(CONFIGS / "llama_3b.yaml", ["engine.device_update_layers=auto"])
+  assert plan.make(auto, rates=slow_host).device_update_layers > cfg.model.layers // 2
+  limit = plan.make(load("engine.device_update_layers=6")).device_total  # room for six, no more
   chosen = plan.make(auto, device_limit=limit, rates=slow_host)
-  assert chosen.device_update_layers == k and chosen.fits_device
+  assert chosen.device_update_layers == 6 and chosen.fits_device
   # Pinned moments enlarge the pinned pool: a host limit just above the all-host plan keeps them off.
   tight = plan.make(cfg).host_total + 2**30
   assert plan.make(auto, host_limit=tight, rates=slow_host).device_update_layers == 0
 
 
-def test_device_update_layers_accepts_auto_and_refuses_other_words():
+def test_state_goes_to_device_memory_only_when_the_host_is_full():
+  cfg = config.load(CONFIGS / "llama_9b.yaml")  # 9.2B: 110 GiB of state at 12 B/param
+  G = cfg.model.layers + 2
+  GiB = 2**30
+  roomy = plan.make(cfg, host_limit=200 * GiB, device_limit=60 * GiB)
+  assert roomy.device_state_layers == 0
+  tight = plan.make(cfg, host_limit=80 * GiB, device_limit=60 * GiB)
+  k = tight.device_state_layers
+  assert 0 < k < G and tight.fits_host and tight.fits_device
+  assert tight.tiers[:k] == ("device",) * k  # the first groups: updated last, needed first
+  fixed = lambda n: plan.make(config.load(CONFIGS / "llama_9b.yaml",
+                                          [f"engine.device_state_layers={n}"]),
+                              host_limit=80 * GiB, device_limit=60 * GiB)
+  fewest = next(n for n in range(G) if fixed(n).fits_host)
+  assert k >= fewest and not fixed(fewest - 1).fits_host
+  assert tight.device_total <= 0.95 * 60 * GiB or k == fewest  # filled only while room is left
+  assert tight.schedule_s <= fixed(fewest).schedule_s  # and only where it pays
+  with pytest.raises(plan.PlanError, match="host memory"):
+    plan.check(plan.make(cfg, host_limit=20 * GiB, device_limit=40 * GiB))
+
+
+def test_placement_words_are_auto_or_counts():
   assert config.load(CONFIGS / "tiny.yaml", ["engine.device_update_layers=auto"]
                      ).engine.device_update_layers == "auto"
   with pytest.raises(config.ConfigError, match="engine.device_update_layers"):
     config.load(CONFIGS / "tiny.yaml", ["engine.device_update_layers=most"])
+  with pytest.raises(config.ConfigError, match="exceed the 4 layer groups"):
+    config.load(CONFIGS / "tiny.yaml", ["engine.device_update_layers=3", "engine.device_state_layers=2"])
+  with pytest.raises(ValueError, match="resolve it with mtjax.plan.prepare"):
+    store_lib.create(config.load(CONFIGS / "tiny.yaml"), jax.random.key(0))

@@ -1,15 +1,20 @@
-"""Host state: flat layouts, layout-independent init, 12 bytes/param in host memory."""
+"""Flat layouts, layout-independent init, and the store's host views of each group."""
 
 import chex
 import jax
 import numpy as np
 import pytest
 
-from mtjax import config, state as state_lib
+from mtjax import config, state as state_lib, store as store_lib
 
 
 def model_cfg(**kw):
   return config.ModelConfig(**{**dict(vocab_size=64, hidden=32, layers=2, heads=4, ffn=48), **kw})
+
+
+def create(m, key, tiers=None):
+  cfg = config.Config(model=m, engine=config.EngineConfig(device_state_layers=0))
+  return store_lib.create(cfg, key, tiers)
 
 
 def test_layout_round_trips_and_puts_matrices_first():
@@ -29,40 +34,49 @@ def test_layout_round_trips_and_puts_matrices_first():
 
 def test_param_count_matches_llama_formula():
   cfg = model_cfg(layers=3, kv_heads=2)
-  st = state_lib.create(cfg, jax.random.key(0))
+  st = create(cfg, jax.random.key(0))
   D, F, V, hd = 32, 48, 64, 8
   block = D * D * 2 + 2 * D * (2 * hd) + 3 * D * F + 2 * D
   assert st.n_params == V * D + 3 * block + D + D * V
-  assert st.host_bytes() == 12 * st.n_params
 
 
 def test_init_is_independent_of_layout_and_model_depth():
-  a = state_lib.create(model_cfg(layers=1), jax.random.key(3)).to_tree()
-  b = state_lib.create(model_cfg(layers=3), jax.random.key(3)).to_tree()
+  a = create(model_cfg(layers=1), jax.random.key(3)).to_tree()
+  b = create(model_cfg(layers=3), jax.random.key(3), ["device", "stream", "host", "device", "host"]
+             ).to_tree()  # placement changes nothing either
   chex.assert_trees_all_equal(a["embed"], b["embed"])
   chex.assert_trees_all_equal(a["blocks"][0], b["blocks"][0])
   chex.assert_trees_all_equal(a["head"], b["head"])
-  c = state_lib.create(model_cfg(layers=1), jax.random.key(4)).to_tree()
+  c = create(model_cfg(layers=1), jax.random.key(4)).to_tree()
   assert not np.allclose(a["embed"]["table"], c["embed"]["table"])
   w = a["blocks"][0]["attn"]["q"]["kernel"]
   assert abs(w.std() - 0.02) < 0.004 and np.all(a["blocks"][0]["attn_norm"]["scale"] == 1)
 
 
-def test_load_tree_round_trips_and_checks_depth():
+@pytest.mark.parametrize("tier", ["host", "stream", "device"])
+def test_write_read_and_load_tree_round_trip_in_every_tier(tier):
   cfg = model_cfg()
-  st = state_lib.create(cfg, jax.random.key(0))
-  other = state_lib.create(cfg, jax.random.key(1)).to_tree()
+  st = create(cfg, jax.random.key(0), [tier] * 4)
+  other = create(cfg, jax.random.key(1)).to_tree()
   st.load_tree(other)
   chex.assert_trees_all_equal(st.to_tree(), other)
+  m = np.arange(st.groups[1].size, dtype=np.float32)
+  st.write(1, opt={"m": m, "v": 2 * m})
+  got = st.read(1)["opt"]
+  np.testing.assert_array_equal(got["m"], m)
+  np.testing.assert_array_equal(got["v"], 2 * m)
   with pytest.raises(ValueError, match="blocks"):
     st.load_tree({**other, "blocks": other["blocks"][:1]})
+  with pytest.raises(ValueError, match="block_0: weights of shape"):
+    st.write(1, w=np.zeros(3, np.float32))
+  chex.assert_trees_all_equal(st.to_tree(), other)  # refused writes changed nothing
 
 
 def test_master_weights_live_in_pinned_host_memory_and_are_written_in_place():
-  st = state_lib.create(model_cfg(), jax.random.key(0))
+  st = create(model_cfg(), jax.random.key(0))
   g = st.blocks[0]
   assert g.w.sharding.memory_kind == "pinned_host"
-  g.w_np[:3] = [1.0, 2.0, 3.0]
-  on_device = jax.device_put(g.w, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+  st.write(1, w=np.arange(g.size, dtype=np.float32))
+  on_device = st.fetch(1)
   assert on_device.sharding.memory_kind == "device"
-  np.testing.assert_array_equal(np.asarray(on_device)[:3], [1.0, 2.0, 3.0])
+  np.testing.assert_array_equal(np.asarray(on_device)[:3], [0.0, 1.0, 2.0])

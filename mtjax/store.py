@@ -1,0 +1,414 @@
+"""The layer store: the one owner of every layer group's training state, where it lives and how it moves.
+
+A layer group (embedding, each block, head) has fp32 master weights `w` (one flat vector, matrices
+first so weight decay is a prefix) and optimizer state `opt` (AdamW: flat `m` and `v`; any other
+optax optimizer: its state pytree). Each group sits in one tier, chosen per group by the planner:
+
+  host    w in pinned host memory (one DMA to the device), opt in plain host memory; the host
+          optimizer updates it in place on a worker thread as the gradient lands.
+  stream  w and opt in pinned host memory; the update runs on the device: opt crosses the link both
+          ways, the updated w stays on the device until `sync()` (4 B/param of device memory).
+  device  w and opt live in device memory (HBM) for the whole run and are updated there; nothing
+          crosses the link. This is how state that does not fit host RAM is held.
+
+Groups are ordered as the forward pass runs them, and the planner puts device and stream tiers on
+the first groups: the backward reaches them last, so their updates cannot delay the next forward,
+which needs them first. Placement is written as `NamedSharding`s over a `Mesh` (one device is a mesh
+of one), so several devices change this file, not the step.
+
+The store does: `fetch` (weights to the compute device), `prefetch` (a stream group's optimizer
+state), `commit` (a gradient becomes an update, on the host or the device), `sync` (every update
+done, host copies current), and host views of each group (`read`, `write`) for checkpoints, import
+and export.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import os
+import threading
+import time
+import zlib
+from typing import Literal, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from mtjax import optimizer as opt_lib
+from mtjax.config import Config, ModelConfig
+from mtjax.state import Layout, host_memory_kind, layouts, writable_view
+
+Tier = Literal["host", "stream", "device"]
+TIERS = ("host", "stream", "device")
+
+
+def group_names(cfg: ModelConfig) -> list[tuple[str, str]]:
+  """(name, kind) of every group in forward order."""
+  return ([("embed", "embed")] + [(f"block_{i}", "block") for i in range(cfg.layers)]
+          + [("head", "head")])
+
+
+def placement(cfg: Config) -> list[Tier]:
+  """The tier of each group from a resolved config: the first `engine.device_state_layers` groups
+  in device memory, the next `engine.device_update_layers` streamed, the rest on the host."""
+  e = cfg.engine
+  n = cfg.model.layers + 2
+  if e.device_state_layers == "auto" or e.device_update_layers == "auto":
+    raise ValueError("engine placement is 'auto': resolve it with mtjax.plan.prepare(cfg) first")
+  n_dev = min(e.device_state_layers, n)
+  n_str = min(e.device_update_layers, n - n_dev)
+  return ["device"] * n_dev + ["stream"] * n_str + ["host"] * (n - n_dev - n_str)
+
+
+@dataclasses.dataclass
+class Group:
+  """One layer group's state. `w` and the leaves of `opt` are jax arrays in the memory of the
+  group's tier (pinned host or device), or numpy arrays in plain host memory."""
+  name: str
+  kind: str
+  layout: Layout
+  tier: Tier
+  w: object
+  opt: dict
+
+  @property
+  def size(self) -> int:
+    return self.layout.size
+
+
+class LayerStore:
+  """Owns all training state and its copies; the engine asks it for weights and hands it gradients."""
+
+  def __init__(self, cfg: Config, groups: list[Group], mesh: Mesh, rule: opt_lib.UpdateRule):
+    self.cfg = cfg
+    self.model_cfg = cfg.model
+    self.layouts = layouts(cfg.model)
+    self.groups = groups
+    self.mesh = mesh
+    self.step = 0  # optimizer updates applied so far
+    self.on_device = NamedSharding(mesh, PartitionSpec(), memory_kind="device")
+    kind = host_memory_kind(mesh.devices.flat[0])
+    self.on_host = NamedSharding(mesh, PartitionSpec(), memory_kind=kind) if kind else None
+    self.rule = rule
+    self.host_opt = opt_lib.HostOptimizer(cfg.optim, self.rule)
+    self.wait_s = 0.0  # host seconds spent waiting for the host optimizer (reset by the engine)
+    self._resident: dict[int, jax.Array] = {}  # stream groups: updated weights kept on the device
+    self._moments: dict[int, dict] = {}  # stream groups: optimizer state prefetched to the device
+    self._views: dict[tuple[int, str], np.ndarray] = {}
+    self._device_update = jax.jit(self._device_update_fn, static_argnums=(5,),
+                                  donate_argnums=(0, 1, 2))
+
+  # ---- sizes -----------------------------------------------------------------------------------
+
+  @property
+  def n_params(self) -> int:
+    return sum(g.size for g in self.groups)
+
+  @property
+  def embed(self) -> Group:
+    return self.groups[0]
+
+  @property
+  def blocks(self) -> list[Group]:
+    return self.groups[1:-1]
+
+  @property
+  def head(self) -> Group:
+    return self.groups[-1]
+
+  def tiers(self) -> list[Tier]:
+    return [g.tier for g in self.groups]
+
+  def allocated_bytes(self) -> dict[str, int]:
+    """Bytes of persistent state by memory, counted from the buffers actually allocated:
+    {'host': plain host, 'pinned': pinned host, 'device': HBM}."""
+    out = {"host": 0, "pinned": 0, "device": 0}
+    for g in self.groups:
+      for a in [g.w, *jax.tree.leaves(g.opt)]:
+        if isinstance(a, np.ndarray):
+          out["host"] += a.nbytes
+        else:
+          out["pinned" if a.sharding.memory_kind == "pinned_host" else "device"] += a.nbytes
+    return out
+
+  # ---- movement --------------------------------------------------------------------------------
+
+  def fetch(self, i: int) -> jax.Array:
+    """Group i's current fp32 weights on the compute device (the copy is asynchronous)."""
+    g = self.groups[i]
+    if g.tier == "device":
+      return g.w
+    if i in self._resident:
+      return self._resident[i]
+    t = time.perf_counter()
+    self.host_opt.wait(i)  # a host group is copied only after its last update finished
+    self.wait_s += time.perf_counter() - t
+    return jax.device_put(g.w, self.on_device)
+
+  def prefetch(self, i: int):
+    """Starts copying a stream group's optimizer state to the device, ahead of its update."""
+    g = self.groups[i]
+    if g.tier == "stream" and i not in self._moments:
+      self._moments[i] = jax.device_put(g.opt, self.on_device)
+
+  def to_host(self, x):
+    """A device array's copy into pinned host memory (asynchronous), or x without pinned memory."""
+    return x if self.on_host is None else jax.device_put(x, self.on_host)
+
+  def commit(self, i: int, grad: jax.Array, scale: float = 1.0, w: jax.Array | None = None,
+             max_queued: int = 4):
+    """Applies update number `self.step` to group i with gradient `grad * scale`.
+
+    Args:
+      grad: the fp32 gradient on the device.
+      w: the group's weights on the device, when the caller holds them (saves a copy).
+      max_queued: host updates allowed in flight before this call waits for the oldest.
+    """
+    g = self.groups[i]
+    if g.tier == "host":
+      g_host = self.to_host(grad)
+      self.host_opt.submit(i, g, g_host, self.step, scale, self._host_view)
+      t = time.perf_counter()
+      while self.host_opt.queued() > max_queued:
+        self.host_opt.wait_oldest()
+      self.wait_s += time.perf_counter() - t
+      return g_host
+    w = self.fetch(i) if w is None else w
+    if g.tier == "stream":
+      self.prefetch(i)
+      opt = self._moments.pop(i)
+    else:
+      opt = g.opt
+    w, opt = self._device_update(w, opt, grad, self.rule.scalars(self.step), np.float32(scale),
+                                 g.layout)
+    if g.tier == "device":
+      g.w, g.opt = w, opt
+      return None
+    # The weights stay on the device; only the optimizer state goes back now.
+    self._resident[i] = w
+    g.opt = self.to_host(opt)
+    self._drop_views(i)
+    return jax.tree.leaves(g.opt)[-1]
+
+  def is_resident(self, i: int) -> bool:
+    """Whether group i's current weights are on the device already (no copy on fetch)."""
+    return self.groups[i].tier == "device" or i in self._resident
+
+  def wait(self, i: int):
+    """Waits for group i's queued host update."""
+    self.host_opt.wait(i)
+
+  def _device_update_fn(self, w, opt, grad, scalars, scale, layout):
+    return self.rule.device_update(w, opt, grad * scale, scalars, layout)
+
+  def end_step(self):
+    """Counts the update applied by the commits of this step."""
+    self.step += 1
+
+  def sync(self):
+    """Waits for every queued update and copy; afterwards every host copy is the current state."""
+    self.host_opt.wait_all()
+    for i, w in sorted(self._resident.items()):
+      g = self.groups[i]
+      g.w = self.to_host(w)
+      self._drop_views(i)
+    self._resident.clear()
+    jax.block_until_ready([(g.w, g.opt) for g in self.groups if not isinstance(g.w, np.ndarray)])
+
+  def close(self):
+    self.sync()
+    self.host_opt.close()
+
+  # ---- host views ------------------------------------------------------------------------------
+
+  def _host_view(self, i: int, attr: str) -> np.ndarray:
+    """A writable numpy view of a host-tier group's buffer (w or an optimizer leaf name)."""
+    key = (i, attr)
+    view = self._views.get(key)
+    if view is None:
+      g = self.groups[i]
+      buf = g.w if attr == "w" else g.opt[attr]
+      view = buf if isinstance(buf, np.ndarray) else writable_view(buf.block_until_ready())
+      self._views[key] = view
+    return view
+
+  def _drop_views(self, i: int):
+    for key in [k for k in self._views if k[0] == i]:
+      del self._views[key]
+
+  def read(self, i: int) -> dict:
+    """Numpy copies of group i's state, {'w': ..., 'opt': {...}}; call `sync()` first."""
+    g = self.groups[i]
+    if g.tier == "device":  # through pinned memory: the fast path off the device
+      w, opt = jax.device_get(self.to_host((g.w, g.opt)))
+      return {"w": np.array(w), "opt": jax.tree.map(np.array, opt)}
+    return {"w": np.array(self._host_view(i, "w")),
+            "opt": jax.tree.map(np.array, jax.device_get(g.opt))}
+
+  def write(self, i: int, w: np.ndarray | None = None, opt: dict | None = None):
+    """Overwrites group i's weights and/or optimizer state wherever the group lives; any device
+    copy of the old weights is dropped. Shapes are checked before anything is written."""
+    g = self.groups[i]
+    if w is not None and np.shape(w) != (g.size,):
+      raise ValueError(f"{g.name}: weights of shape {np.shape(w)}, expected ({g.size},)")
+    if opt is not None:
+      want = jax.tree.map(np.shape, g.opt)
+      have = jax.tree.map(np.shape, opt)
+      if jax.tree.structure(want) != jax.tree.structure(have) or want != have:
+        raise ValueError(f"{g.name}: optimizer state {have} does not match {want}")
+    self.host_opt.wait(i)
+    self._resident.pop(i, None)
+    self._moments.pop(i, None)
+    if g.tier == "device":  # copies: on the CPU backend device_put may alias a numpy buffer
+      if w is not None:
+        g.w = jax.device_put(np.array(w, np.float32), self.on_device)
+      if opt is not None:
+        g.opt = jax.device_put(jax.tree.map(np.array, opt), self.on_device)
+      return
+    if w is not None:
+      np.copyto(self._host_view(i, "w"), w)
+    if opt is not None:
+      if g.tier == "host" and all(isinstance(a, np.ndarray) for a in jax.tree.leaves(g.opt)):
+        jax.tree.map(np.copyto, g.opt, opt)
+      else:
+        g.opt = _place_like(opt, g.opt)
+        self._drop_views(i)
+
+  def fill(self, i: int, fill_fn):
+    """Overwrites group i's weights by `fill_fn(out)`, which writes the flat fp32 vector `out` in
+    place: straight into the group's host buffer where it has one (no temporary), else into one
+    group-sized temporary that then moves to the device."""
+    g = self.groups[i]
+    self.host_opt.wait(i)
+    self._resident.pop(i, None)
+    if g.tier == "device":
+      out = np.empty(g.size, np.float32)
+      fill_fn(out)
+      g.w = jax.device_put(out, self.on_device)
+      return
+    fill_fn(self._host_view(i, "w"))
+
+  # ---- whole-model trees (tests, small models) -------------------------------------------------
+
+  def to_tree(self) -> dict:
+    """Numpy copies of all weights: {'embed': ..., 'blocks': [...], 'head': ...} (call sync first)."""
+    trees = [g.layout.unflatten(self.read(i)["w"]) for i, g in enumerate(self.groups)]
+    return {"embed": trees[0], "blocks": trees[1:-1], "head": trees[-1]}
+
+  def opt_trees(self) -> dict:
+    """Numpy copies of every group's optimizer state, by group name."""
+    return {g.name: self.read(i)["opt"] for i, g in enumerate(self.groups)}
+
+  def moments_tree(self) -> tuple[dict, dict]:
+    """AdamW m and v in the layout of `to_tree` (flat-state optimizers only)."""
+    out = []
+    for key in ("m", "v"):
+      trees = [g.layout.unflatten(self.read(i)["opt"][key]) for i, g in enumerate(self.groups)]
+      out.append({"embed": trees[0], "blocks": trees[1:-1], "head": trees[-1]})
+    return out[0], out[1]
+
+  def load_tree(self, tree: dict):
+    """Overwrites every group's weights from a tree shaped like `to_tree()`."""
+    if len(tree["blocks"]) != len(self.blocks):
+      raise ValueError(f"tree has {len(tree['blocks'])} blocks, the model has {len(self.blocks)}")
+    parts = [tree["embed"], *tree["blocks"], tree["head"]]
+    flats = [g.layout.flatten(t) for g, t in zip(self.groups, parts)]  # all checked first
+    for i, flat in enumerate(flats):
+      self.write(i, w=flat)
+
+
+def _place_like(tree, like):
+  """`tree`'s values as fresh arrays in the memory `like`'s leaves occupy."""
+  def one(a, ref):
+    a = np.array(a, dtype=ref.dtype)
+    return a if isinstance(ref, np.ndarray) else jax.device_put(a, ref.sharding)
+  return jax.tree.map(one, tree, like)
+
+
+def single_device_mesh(device: jax.Device | None = None) -> Mesh:
+  return Mesh(np.array([device or jax.devices()[0]]), ("data",))
+
+
+def create(cfg: Config, key: jax.Array, tiers: Sequence[Tier] | None = None,
+           mesh: Mesh | None = None, tx=None) -> LayerStore:
+  """Allocates and initialises the state one group at a time, each straight into its tier (no
+  whole-model temporaries: at most one group's host buffer beyond the final state).
+
+  Args:
+    cfg: a resolved config (`mtjax.plan.prepare`); its placement is used unless `tiers` is given.
+    key: seeds the initial weights; a tensor's values depend only on (key, group, parameter name).
+    tiers: one tier per group, overriding the config's placement.
+    mesh: the devices the state is placed over (default: the first device, as a mesh of one).
+    tx: an optax GradientTransformation to use instead of the config's optimizer.
+  """
+  mesh = mesh or single_device_mesh()
+  device = mesh.devices.flat[0]
+  tiers = list(tiers) if tiers is not None else placement(cfg)
+  names = group_names(cfg.model)
+  if len(tiers) != len(names):
+    raise ValueError(f"placement has {len(tiers)} tiers, the model has {len(names)} groups")
+  lays = layouts(cfg.model)
+  rule = opt_lib.UpdateRule(cfg.optim, cfg.decay_steps, tx)
+  kind = host_memory_kind(device)
+  pinned = NamedSharding(mesh, PartitionSpec(), memory_kind=kind) if kind else None
+  on_device = NamedSharding(mesh, PartitionSpec(), memory_kind="device")
+  seed = np.asarray(jax.random.key_data(key)).ravel().astype(np.uint32).tolist()
+  groups = []
+  for (name, kind_), tier in zip(names, tiers):
+    lay = lays[kind_]
+    w = np.empty(lay.size, np.float32)
+    init_params(cfg.model, lay, name, seed, w)
+    opt = rule.init_host(lay)
+    if tier == "device":
+      w, opt = jax.device_put((w, opt), on_device)
+    elif pinned is not None:
+      w = jax.device_put(w, pinned)
+      if tier == "stream":
+        opt = jax.device_put(opt, pinned)
+    jax.block_until_ready((w, opt))  # the numpy source may be freed now
+    groups.append(Group(name, kind_, lay, tier, w, opt))
+  return LayerStore(cfg, groups, mesh, rule)
+
+
+_INIT_CHUNK = 1 << 22
+_init_pool: cf.ThreadPoolExecutor | None = None
+_init_lock = threading.Lock()
+
+
+def _stable(*names: str) -> list[int]:
+  return [zlib.crc32(n.encode()) & 0x7FFFFFFF for n in names]
+
+
+def init_params(cfg: ModelConfig, layout: Layout, group: str, seed: Sequence[int], out: np.ndarray):
+  """Fills `out` with one group's initial weights. Each tensor's values depend only on
+  (seed, group name, parameter name), never on the buffer layout or the model's depth; matrices
+  draw N(0, init_std) in chunks of 4M elements on all cores (numpy's generators release the GIL),
+  so a 14B model initialises in seconds rather than minutes."""
+  global _init_pool
+  with _init_lock:
+    if _init_pool is None:
+      _init_pool = cf.ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="mtjax-init")
+  jobs = []
+  for path, shape, off in zip(layout.paths, layout.shapes, layout.offsets):
+    n = int(np.prod(shape))
+    name = path[-1]
+    if name == "scale":
+      out[off:off + n] = 1.0
+    elif name == "bias":
+      out[off:off + n] = 0.0
+    else:
+      base = list(seed) + _stable(group, "/".join(path))
+      for c, lo in enumerate(range(0, n, _INIT_CHUNK)):
+        hi = min(n, lo + _INIT_CHUNK)
+        jobs.append(_init_pool.submit(_normal_fill, base + [c], out[off + lo:off + hi],
+                                      np.float32(cfg.init_std)))
+  for j in jobs:
+    j.result()
+
+
+def _normal_fill(seed: list[int], out: np.ndarray, std: np.float32):
+  np.random.default_rng(seed).standard_normal(out.shape, np.float32, out=out)
+  out *= std
