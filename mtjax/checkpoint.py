@@ -1,68 +1,121 @@
-"""Checkpoints of the host state with orbax: per layer group its weights and AdamW moments, plus
-the step. Data batches are a pure function of the step, so a resumed run continues exactly.
+"""Checkpoints of the training state with orbax: per layer group its weights and optimizer state,
+plus the step, the layout and the data position.
 
 Layout: DIR/step_<n>/<group name>/ (one orbax checkpoint per layer group, so saving and restoring
-hold at most one extra layer in memory, never a second copy of the model), DIR/step_<n>/step.json
-written last: a step directory without it is incomplete and ignored.
+hold at most one extra group in memory, never a second copy of the model) and DIR/step_<n>/meta.json.
+A step is written under a temporary name and made visible by one rename once complete, and a
+committed step is never rewritten; `restore_latest` takes the newest step that restores and says
+which ones it skipped and why.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 from pathlib import Path
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from mtjax.state import HostState
+from mtjax.store import LayerStore
 
 _STEP_DIR = re.compile(r"step_(\d+)$")
 
 
-def save(state: HostState, directory: str | Path) -> Path:
-  """Writes the state (call Engine.sync() first) to DIRECTORY/step_<state.step>."""
-  path = Path(directory).absolute() / f"step_{state.step}"
-  path.mkdir(parents=True, exist_ok=True)
+def _layout_record(store: LayerStore) -> list:
+  return [[g.name, g.size, [["/".join(p), list(s)] for p, s in zip(g.layout.paths, g.layout.shapes)]]
+          for g in store.groups]
+
+
+def save(store: LayerStore, directory: str | Path, extra: dict | None = None) -> Path:
+  """Writes the state (call `store.sync()` first) to DIRECTORY/step_<store.step>; a step that is
+  already committed is left as it is. `extra` (JSON) is kept in meta.json (e.g. the data position)."""
+  directory = Path(directory).absolute()
+  final = directory / f"step_{store.step}"
+  if (final / "meta.json").exists():
+    return final
+  tmp = directory / f".step_{store.step}.tmp-{os.getpid()}"
+  shutil.rmtree(tmp, ignore_errors=True)
+  tmp.mkdir(parents=True)
   ckptr = ocp.StandardCheckpointer()
-  for g in state.groups:
-    ckptr.save(path / g.name, {"w": g.w_np, "m": g.m_np, "v": g.v_np}, force=True)
+  for i, g in enumerate(store.groups):
+    state = store.read(i)
+    leaves = {str(k): a for k, a in enumerate(jax.tree.leaves(state["opt"]))}
+    ckptr.save(tmp / g.name, {"w": state["w"], "opt": leaves})
     ckptr.wait_until_finished()
-  (path / "step.json").write_text(json.dumps({
-      "step": state.step, "groups": [[g.name, g.layout.size] for g in state.groups]}))
-  return path
+  (tmp / "meta.json").write_text(json.dumps({
+      "step": store.step, "groups": _layout_record(store), "extra": extra or {}}))
+  os.replace(tmp, final)
+  return final
+
+
+def steps(directory: str | Path) -> list[Path]:
+  """Committed checkpoints under `directory`, newest first."""
+  directory = Path(directory)
+  if not directory.is_dir():
+    return []
+  done = [(int(m.group(1)), p) for p in directory.iterdir()
+          if (m := _STEP_DIR.match(p.name)) and (p / "meta.json").exists()]
+  return [p for _, p in sorted(done, reverse=True)]
 
 
 def latest(directory: str | Path) -> Path | None:
-  """The newest complete checkpoint under `directory`, or None."""
-  directory = Path(directory)
-  if not directory.is_dir():
-    return None
-  done = [(int(m.group(1)), p) for p in directory.iterdir()
-          if (m := _STEP_DIR.match(p.name)) and (p / "step.json").exists()]
-  return max(done)[1] if done else None
+  """The newest committed checkpoint under `directory`, or None."""
+  found = steps(directory)
+  return found[0] if found else None
 
 
-def restore(state: HostState, path: str | Path) -> None:
-  """Loads a checkpoint into `state` in place. Every group's presence and shape is checked before
-  anything is written, so a mismatched checkpoint leaves the state as it was."""
-  path = Path(path).absolute()
-  meta_file = path / "step.json"
+def read_meta(path: str | Path) -> dict:
+  meta_file = Path(path) / "meta.json"
   if not meta_file.exists():
-    raise ValueError(f"checkpoint {path}: no step.json (incomplete or not a checkpoint)")
-  meta = json.loads(meta_file.read_text())
-  have = [tuple(x) for x in meta["groups"]]
-  want = [(g.name, g.layout.size) for g in state.groups]
+    raise ValueError(f"checkpoint {path}: no meta.json (incomplete or not a checkpoint)")
+  return json.loads(meta_file.read_text())
+
+
+def restore(store: LayerStore, path: str | Path) -> dict:
+  """Loads a checkpoint into `store`, one group at a time (no second copy of the model). The layout
+  (every group's parameter names and shapes) is checked before anything is written, so a checkpoint
+  of another model leaves the state as it was; a group found damaged on the way (unreadable, wrong
+  shape, non-finite) raises with the groups before it written, and `restore_latest` then goes on to
+  an older checkpoint, which overwrites every group. Returns the checkpoint's `extra`."""
+  path = Path(path).absolute()
+  meta = read_meta(path)
+  have, want = meta["groups"], _layout_record(store)
   if len(have) != len(want):
     raise ValueError(f"checkpoint {path}: {len(have)} layer groups, the model has {len(want)}")
   for h, w in zip(have, want):
     if h != w:
-      raise ValueError(f"checkpoint {path}: group {h[0]} holds {h[1]} parameters, the model's "
-                       f"{w[0]} needs {w[1]}")
+      raise ValueError(f"checkpoint {path}: group {h[0]} holds {h[1]} parameters in another "
+                       f"layout than the model's {w[0]} ({w[1]} parameters)")
   ckptr = ocp.StandardCheckpointer()
-  for g in state.groups:
-    tree = ckptr.restore(path / g.name)
-    for k in ("w", "m", "v"):
-      np.copyto(getattr(g, f"{k}_np"), np.asarray(tree[k], np.float32))
-  state.step = int(meta["step"])
-  state.version += 1  # device-resident copies of weights are stale now
+  for i, g in enumerate(store.groups):
+    try:
+      tree = ckptr.restore(path / g.name)
+    except Exception as e:  # noqa: BLE001 - orbax's many error types, reworded at the boundary
+      raise ValueError(f"checkpoint {path}: group {g.name} does not restore "
+                       f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    leaves, treedef = jax.tree.flatten(g.opt)
+    got = [np.asarray(tree["opt"][str(k)]) for k in range(len(leaves))]
+    w = np.asarray(tree["w"], np.float32)
+    if w.shape != (g.size,) or any(a.shape != b.shape for a, b in zip(got, leaves)):
+      raise ValueError(f"checkpoint {path}: group {g.name} has arrays of the wrong shape")
+    if not all(np.all(np.isfinite(a)) for a in [w, *got]):
+      raise ValueError(f"checkpoint {path}: group {g.name} holds non-finite values")
+    store.write(i, w=w, opt=jax.tree.unflatten(treedef, got))
+  store.step = int(meta["step"])
+  return meta.get("extra", {})
+
+
+def restore_latest(store: LayerStore, directory: str | Path) -> tuple[Path | None, dict, list[str]]:
+  """Restores the newest checkpoint that restores; returns (its path or None, its extra, one line
+  per newer checkpoint skipped, saying why). Skipped checkpoints are left in place."""
+  skipped = []
+  for path in steps(directory):
+    try:
+      return path, restore(store, path), skipped
+    except ValueError as e:
+      skipped.append(f"skipped {path.name}: {e}")
+  return None, {}, skipped

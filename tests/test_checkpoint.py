@@ -1,4 +1,4 @@
-"""Checkpoints: a resumed run equals the uninterrupted one; a mismatched checkpoint is refused."""
+"""Checkpoints: a resumed run equals the uninterrupted one; a mismatched or damaged one is refused."""
 
 import shutil
 from pathlib import Path
@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from mtjax import checkpoint, config, data, engine, state as state_lib, train
+from mtjax import checkpoint, config, data, engine, plan, store as store_lib, train
 
 TINY = Path(__file__).parent.parent / "configs" / "tiny.yaml"
 
@@ -22,8 +22,8 @@ def test_resume_equals_uninterrupted(tmp_path):
   shutil.move(final, tmp_path.parent / "uninterrupted_step_5")
   summary = train.run(config.load(TINY, over), progress=False)  # resumes from step_3
   assert summary["resumed_from"].endswith("step_3") and summary["steps"] == 2
-  m = config.load(TINY).model
-  a, b = state_lib.create(m, jax.random.key(1)), state_lib.create(m, jax.random.key(2))
+  cfg = config.load(TINY, ["engine.device_state_layers=0"])
+  a, b = store_lib.create(cfg, jax.random.key(1)), store_lib.create(cfg, jax.random.key(2))
   checkpoint.restore(a, tmp_path.parent / "uninterrupted_step_5")
   checkpoint.restore(b, checkpoint.latest(tmp_path))
   assert a.step == b.step == 5
@@ -31,21 +31,28 @@ def test_resume_equals_uninterrupted(tmp_path):
   chex.assert_trees_all_close(a.moments_tree(), b.moments_tree(), rtol=1e-6, atol=1e-9)
 
 
-def test_save_restore_round_trip_drops_stale_device_copies(tmp_path):
-  cfg = config.load(TINY, ["engine.device_update_layers=2"])
-  st = state_lib.create(cfg.model, jax.random.key(0))
+def new(over=(), seed=0):
+  cfg, _ = plan.prepare(config.load(TINY, ["engine.device_state_layers=0", *over]))
+  return cfg, store_lib.create(cfg, jax.random.key(seed))
+
+
+@pytest.mark.parametrize("placement", [(0, 2), (2, 1)])
+def test_save_restore_round_trip_drops_stale_device_copies(tmp_path, placement):
+  over = [f"engine.device_state_layers={placement[0]}", f"engine.device_update_layers={placement[1]}"]
+  cfg, st = new(over)
   eng = engine.Engine(cfg, st)
   eng.step(data.synthetic_batch(0, 8, 64, 256, 0))
   eng.sync()
   path = checkpoint.save(st, tmp_path)
-  saved = st.to_tree()
+  saved, saved_opt = st.to_tree(), st.opt_trees()
   eng.step(data.synthetic_batch(1, 8, 64, 256, 0))
   eng.sync()
   checkpoint.restore(st, path)
   chex.assert_trees_all_equal(st.to_tree(), saved)
+  chex.assert_trees_all_equal(st.opt_trees(), saved_opt)
   assert st.step == 1
   b = data.synthetic_batch(2, 8, 64, 256, 0)
-  fresh = state_lib.create(cfg.model, jax.random.key(5))
+  _, fresh = new(over, seed=5)  # another placement reads the same checkpoint
   checkpoint.restore(fresh, path)
   other = engine.Engine(cfg, fresh)
   np.testing.assert_allclose(eng.grads(b)[0], other.grads(b)[0], rtol=1e-6)
@@ -54,15 +61,47 @@ def test_save_restore_round_trip_drops_stale_device_copies(tmp_path):
 
 
 def test_mismatched_checkpoint_is_refused_without_touching_state(tmp_path):
-  small = state_lib.create(config.load(TINY).model, jax.random.key(0))
+  _, small = new()
   path = checkpoint.save(small, tmp_path)
-  wide = state_lib.create(config.load(TINY, ["model.ffn=64"]).model, jax.random.key(0))
+  _, wide = new(["model.ffn=64"])
   before = wide.to_tree()
-  with pytest.raises(ValueError, match="group block_0 holds"):
+  with pytest.raises(ValueError, match="group block_0 holds .* another layout"):
     checkpoint.restore(wide, path)
   chex.assert_trees_all_equal(wide.to_tree(), before)
-  deep = state_lib.create(config.load(TINY, ["model.layers=3"]).model, jax.random.key(0))
+  _, deep = new(["model.layers=3"])
   with pytest.raises(ValueError, match="layer groups"):
     checkpoint.restore(deep, path)
-  (tmp_path / "step_9").mkdir()  # no step.json: incomplete, ignored
+  (tmp_path / "step_9").mkdir()  # no meta.json: incomplete, ignored
   assert checkpoint.latest(tmp_path) == path
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path):
+  cfg, st = new()
+  eng = engine.Engine(cfg, st)
+  eng.step(data.synthetic_batch(0, 8, 64, 256, 0))
+  eng.sync()
+  good = checkpoint.save(st, tmp_path)
+  want = st.to_tree()
+  eng.step(data.synthetic_batch(1, 8, 64, 256, 0))
+  eng.sync()
+  bad = checkpoint.save(st, tmp_path)
+  eng.close()
+  shutil.rmtree(bad / "block_1")  # a group lost from the newest step
+  _, fresh = new(seed=3)
+  path, _, skipped = checkpoint.restore_latest(fresh, tmp_path)
+  assert path == good and fresh.step == 1
+  assert len(skipped) == 1 and "step_2" in skipped[0] and "block_1" in skipped[0]
+  assert bad.exists()  # skipped, never deleted
+  chex.assert_trees_all_equal(fresh.to_tree(), want)
+
+
+def test_a_committed_step_is_never_rewritten(tmp_path):
+  cfg, st = new()
+  path = checkpoint.save(st, tmp_path)
+  stamp = (path / "meta.json").stat().st_mtime_ns
+  st.write(1, w=np.zeros(st.groups[1].size, np.float32))
+  assert checkpoint.save(st, tmp_path) == path  # the same step again: left as it was
+  assert (path / "meta.json").stat().st_mtime_ns == stamp
+  _, fresh = new(seed=3)
+  checkpoint.restore(fresh, path)
+  assert np.any(fresh.read(1)["w"] != 0)
