@@ -523,3 +523,20 @@ def _write_shards(tmp: Path, cfg: ModelConfig, layouts: dict[str, Layout],
     raise HFError(f"export: groups ended after {seen} of {len(expected)} (next: {expected[seen]})")
   flush()
   return shards, weight_map, total
+
+
+def load_into(store, directory: str | os.PathLike) -> None:
+  """Imports a Hugging Face model's weights into a `mtjax.store.LayerStore`, group by group, each
+  tensor written straight into the group's buffer (every tensor checked first)."""
+  ck = Checkpoint(directory)
+  ck.check(store.model_cfg, store.layouts)
+  for i, g in enumerate(store.groups):
+    store.fill(i, lambda out, name=g.name: ck.read_group(store.model_cfg, store.layouts, name, out))
+
+
+def export_store(store, out_dir: str | os.PathLike, dtype: str = "bfloat16",
+                 source_dir: str | os.PathLike | None = None) -> Path:
+  """Writes a `LayerStore`'s weights (call `sync()` first) as a Hugging Face directory, one group
+  in host memory at a time."""
+  groups = ((g.name, store.read(i)["w"]) for i, g in enumerate(store.groups))
+  return export(out_dir, store.model_cfg, store.layouts, groups, dtype, source_dir)

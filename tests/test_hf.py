@@ -354,3 +354,71 @@ def test_import_holds_at_most_one_tensor_beside_the_state(tmp_path, dtype):
     finally:
       tracemalloc.stop()
     assert peak < largest + 64 * 1024, (g, peak, largest)
+
+
+def test_engine_gradients_on_an_imported_model_match_torch(tmp_path):
+  from mtjax import config, data, engine, plan, store as store_lib
+  build("qwen3", tmp_path / "src")
+  cfg = config.load(None, [f"model.from_hf={tmp_path / 'src'}", "engine.compute_dtype=float32",
+                           "engine.device_state_layers=1", "engine.device_update_layers=1",
+                           "train.batch=2", "train.seq=12"])
+  assert cfg.model.qk_norm and cfg.model.head_dim == 16  # the shape came from config.json
+  cfg, _ = plan.prepare(cfg)
+  st = store_lib.create(cfg, jax.random.key(0))
+  hf.load_into(st, cfg.model.from_hf)
+  b = data.synthetic_batch(0, 2, 12, cfg.model.vocab_size, seed=3)
+  eng = engine.Engine(cfg, st)
+  loss, grads = eng.grads(b)
+  eng.close()
+  m = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src", attn_implementation="eager")
+  out = m(torch.tensor(b.inputs, dtype=torch.long))
+  want = torch.nn.functional.cross_entropy(out.logits.reshape(-1, cfg.model.vocab_size),
+                                           torch.tensor(b.targets, dtype=torch.long).reshape(-1))
+  want.backward()
+  np.testing.assert_allclose(loss, want.item(), rtol=1e-5)
+  torch_grads = {n: p.grad.numpy() for n, p in m.named_parameters()}
+  for g, name in zip(grads, hf.group_names(cfg.model)):
+    for hf_name, arr in hf.hf_tensors(st.layouts, name, g):
+      np.testing.assert_allclose(arr, torch_grads[hf_name], rtol=1e-4, atol=1e-6,
+                                 err_msg=hf_name)
+
+
+def test_fine_tune_from_hf_exports_a_model_transformers_loads(tmp_path):
+  import subprocess
+  import sys
+  from mtjax import checkpoint, config, store as store_lib, train
+  src = tmp_path / "src"
+  build("llama3", src)
+  for name, text in TOKENIZER.items():
+    (src / name).write_text(text)
+  cfg = config.load(None, [f"model.from_hf={src}", "engine.compute_dtype=float32",
+                           "train.batch=2", "train.seq=12", "train.steps=3", "optim.lr=1e-3",
+                           "optim.warmup_steps=0", f"train.checkpoint_dir={tmp_path / 'ck'}",
+                           f"train.export_dir={tmp_path / 'out'}", "train.export_dtype=float32"])
+  s = train.run(cfg, progress=False)
+  assert s["steps"] == 3
+  # The export at the end of training is the trained state, bit for bit, and loads unchanged.
+  cfg_r = config.load(None, [f"model.from_hf={src}", "engine.device_state_layers=0"])
+  st = store_lib.create(cfg_r, jax.random.key(1))
+  checkpoint.restore(st, checkpoint.latest(tmp_path / "ck"))
+  trained = {g.name: st.read(i)["w"] for i, g in enumerate(st.groups)}
+  m = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
+  sd = {k: v.numpy() for k, v in m.state_dict().items()}
+  for name, flat in trained.items():
+    for hf_name, arr in hf.hf_tensors(st.layouts, name, flat):
+      np.testing.assert_array_equal(sd[hf_name], arr, err_msg=hf_name)
+  ids = token_ids(cfg.model.vocab_size)
+  want = logits(st.model_cfg, st.layouts, trained, ids)
+  got = m(torch.tensor(ids, dtype=torch.long)).logits.detach().numpy()
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert (tmp_path / "out" / "tokenizer.json").exists()
+  # The export command reads the same checkpoint into the same tensors.
+  r = subprocess.run([sys.executable, "-m", "mtjax.export", "--checkpoint", str(tmp_path / "ck"),
+                      "--out", str(tmp_path / "out2"), "--dtype", "float32"],
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr
+  again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out2")
+  assert_bits_equal(state_dict_bits(again), state_dict_bits(m))
+  r = subprocess.run([sys.executable, "-m", "mtjax.export", "--checkpoint", str(tmp_path / "ck"),
+                      "--out", str(tmp_path / "out2")], capture_output=True, text=True, timeout=300)
+  assert r.returncode == 2 and r.stderr.startswith("error:") and r.stderr.count("\n") == 1

@@ -1,0 +1,60 @@
+"""`python -m mtjax.export --checkpoint DIR/step_N --out OUT`: a training checkpoint as a Hugging Face
+model directory (config.json, sharded safetensors with index, tokenizer files when the run was
+imported from one), streamed one layer group at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import orbax.checkpoint as ocp
+
+from mtjax import checkpoint, config as config_lib, hf, state as state_lib
+
+
+def checkpoint_groups(path: Path, names: list[str]):
+  """(name, fp32 weights) of each group of a checkpoint, read one group at a time."""
+  ckptr = ocp.StandardCheckpointer()
+  for name in names:
+    yield name, np.asarray(ckptr.restore(path / name)["w"], np.float32)
+
+
+def export_checkpoint(path: str | Path, out: str | Path, dtype: str = "bfloat16") -> Path:
+  """Writes the weights of the checkpoint at `path` as a Hugging Face directory at `out`."""
+  path = Path(path).absolute()
+  meta = checkpoint.read_meta(path)
+  raw = meta.get("extra", {}).get("config")
+  if raw is None:
+    raise ValueError(f"checkpoint {path}: no config recorded (saved by an older mtjax)")
+  cfg = config_lib.from_dict(raw)
+  lays = state_lib.layouts(cfg.model)
+  names = [g[0] for g in meta["groups"]]
+  source = cfg.model.from_hf if cfg.model.from_hf and Path(cfg.model.from_hf).is_dir() else None
+  return hf.export(out, cfg.model, lays, checkpoint_groups(path, names), dtype, source)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m mtjax.export", description=__doc__)
+  p.add_argument("--checkpoint", required=True,
+                 help="a checkpoint step folder (DIR/step_N), or a checkpoint_dir for its newest step")
+  p.add_argument("--out", required=True, help="the Hugging Face directory to write (new or empty)")
+  p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                 help="tensor dtype of the export")
+  args = p.parse_args(argv)
+  path = Path(args.checkpoint)
+  if not (path / "meta.json").exists():
+    path = checkpoint.latest(path) or path
+  try:
+    out = export_checkpoint(path, args.out, args.dtype)
+  except (ValueError, OSError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(f"exported {path} -> {out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
