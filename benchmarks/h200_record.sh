@@ -13,7 +13,7 @@ LOG=$OUT/h200_b$BATCH.log
 quiet() { grep -v "bfc_allocator\|^W1202"; }
 SYSTEMS=mtjax,mtjax-serial,jax-all-gpu,roofline
 [ "$BATCH" -gt 8 ] && SYSTEMS=mtjax,jax-all-gpu,roofline  # serial at batch 32 adds minutes, no news
-timeout 270 python3 -m mtjax.bench --config configs/llama_3b.yaml --warmup 1 --steps 3 \
+timeout 270 python3 benchmarks/bench.py --config configs/llama_3b.yaml --warmup 1 --steps 3 \
   --systems $SYSTEMS --out $OUT/h200.json --timeline /tmp/tl/b$BATCH.png \
   --variant "auto:engine.device_update_layers=auto" train.batch=$BATCH 2>&1 | quiet | tee $LOG
 tar cf $OUT/timelines_b$BATCH.tar -C /tmp/tl b$BATCH.png b${BATCH}_auto.png

@@ -1,0 +1,146 @@
+"""Issue 10 on the GPU, end to end with no hub: build a ~1B Llama-3.2-shaped Hugging Face model with
+transformers, train a BPE tokenizer on real text found on the machine (Python's standard library
+sources), prepare the data, fine-tune with `model.from_hf`, export, load the export with
+transformers and compare its logits with mtjax's; then time the same shape from mtjax's own init.
+
+PYTHONUNBUFFERED=1 python benchmarks/hf_finetune.py OUTDIR [STEPS]
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+out = Path(sys.argv[1])
+steps = int(sys.argv[2]) if len(sys.argv) > 2 else 200
+SMALL = os.environ.get("SMALL") == "1"  # a CPU rehearsal of the whole script at toy sizes
+V, D, L, H, KV, F, SEQ = (512, 64, 2, 4, 2, 128, 64) if SMALL else (32000, 2048, 16, 32, 8, 8192, 1024)
+work = Path("/tmp/hf_ft")
+shutil.rmtree(work, ignore_errors=True)
+(work / "corpus").mkdir(parents=True)
+t0 = time.perf_counter()
+
+
+def log(msg):
+  print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", flush=True)
+
+
+# 1. Real text: the standard library's sources, one document per file.
+stdlib = Path(sysconfig.get_paths()["stdlib"])
+files = sorted(p for p in stdlib.rglob("*.py") if "test" not in p.parts and p.stat().st_size > 500)
+files = files[:80] if SMALL else files
+for i, p in enumerate(files):
+  try:
+    (work / "corpus" / f"{i:05d}.txt").write_text(p.read_text(encoding="utf-8"))
+  except UnicodeDecodeError:
+    pass
+n_bytes = sum(p.stat().st_size for p in (work / "corpus").iterdir())
+log(f"corpus: {len(files)} files, {n_bytes / 1e6:.1f} MB from {stdlib}")
+
+# 2. A tokenizer of its own (byte-level BPE, 32k) and a ~1B model built by transformers.
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+
+model_dir = work / "hf_model"
+model_dir.mkdir()
+tok = Tokenizer(models.BPE())
+tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+tok.decoder = decoders.ByteLevel()
+tok.train([str(p) for p in sorted((work / "corpus").iterdir())],
+          trainers.BpeTrainer(vocab_size=V, special_tokens=["<|endoftext|>"],
+                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+tok.save(str(model_dir / "tokenizer.json"))
+(model_dir / "tokenizer_config.json").write_text(json.dumps(
+    {"eos_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast"}))
+log(f"tokenizer: vocab {tok.get_vocab_size()}")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+hf_cfg = transformers.LlamaConfig(
+    vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=L,
+    num_attention_heads=H, num_key_value_heads=KV, tie_word_embeddings=True, rms_norm_eps=1e-5,
+    rope_theta=500000.0, max_position_embeddings=8192,
+    rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    eos_token_id=0, bos_token_id=0)
+torch.manual_seed(0)
+m = transformers.LlamaForCausalLM(hf_cfg).to(torch.bfloat16)
+n_params = sum(p.numel() for p in m.parameters())
+m.save_pretrained(model_dir, max_shard_size="1GB")
+del m
+log(f"hf model: {n_params / 1e9:.3f}B params, bf16, {len(list(model_dir.glob('*.safetensors')))} shards")
+
+
+def sh(*args, timeout=600):
+  log("$ " + " ".join(args))
+  r = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
+                     cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+  print(r.stdout[-3000:], r.stderr[-3000:] if r.returncode else "", flush=True)
+  if r.returncode:
+    raise SystemExit(f"failed: {args}")
+  return r
+
+
+# 3. Data, fine-tuning (held-out loss every 50 steps), export at the end.
+data_dir = work / "data"
+sh("-m", "mtjax.data", "prepare", "--tokenizer", str(model_dir), "--out", str(data_dir),
+   "--format", "text", "--val-fraction", "0.05", "--workers", "8", str(work / "corpus"))
+common = [f"engine.compute_dtype={'float32' if SMALL else 'bfloat16'}", "train.batch=8",
+          f"train.seq={SEQ}", "engine.loss_chunk=1024",
+          "optim.lr=3e-4", "optim.warmup_steps=20", "optim.weight_decay=0.0", "train.log_every=10"]
+sh("-m", "mtjax.train", "--config", "configs/finetune.yaml", "--no-progress", "--show-plan",
+   "--json", str(out / "finetune.json"), f"model.from_hf={model_dir}", "data.source=prepared",
+   f"data.path={data_dir}", f"train.steps={steps}", "train.eval_every=50", "train.eval_batches=8",
+   f"train.checkpoint_dir={work / 'ck'}", f"train.export_dir={work / 'export'}",
+   "train.export_dtype=float32", *common)
+ft = json.loads((out / "finetune.json").read_text())
+log(f"fine-tune: loss {ft['first_loss']:.3f} -> {ft['final_loss']:.3f}, held-out {ft['held_out']}, "
+    f"{ft['tokens_per_s']:,.0f} tokens/s")
+
+# 4. The export, loaded by transformers, against mtjax's own logits of the trained weights.
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from mtjax import checkpoint, config, model, store  # noqa: E402
+
+cfg = config.load(ROOT / "configs/finetune.yaml", [f"model.from_hf={model_dir}",
+                                                   "engine.device_state_layers=0"])
+st = store.create(cfg, jax.random.key(0))
+checkpoint.restore(st, checkpoint.latest(work / "ck"))
+ids = np.random.default_rng(0).integers(0, V, (2, 256)).astype(np.int32)
+lays, mc = st.layouts, st.model_cfg
+with jax.default_matmul_precision("highest"):
+  w = {g.name: jnp.asarray(st.read(i)["w"]) for i, g in enumerate(st.groups)}
+  x = model.Embed(mc).apply({"params": lays["embed"].unflatten(w["embed"])}, ids)
+  for i in range(mc.layers):
+    x = model.Block(mc, "xla").apply({"params": lays["block"].unflatten(w[f"block_{i}"])}, x)
+  table = lays["embed"].unflatten(w["embed"])["table"] if mc.tie_embeddings else None
+  ours = np.asarray(model.Head(mc).apply({"params": lays["head"].unflatten(w["head"])}, x, table))
+torch.backends.cuda.matmul.allow_tf32 = False
+dev = "cpu" if SMALL else "cuda"
+exported = transformers.AutoModelForCausalLM.from_pretrained(
+    work / "export", dtype=torch.float32, attn_implementation="eager").to(dev).eval()
+with torch.no_grad():
+  theirs = exported(torch.tensor(ids, dtype=torch.long).to(dev)).logits.float().cpu().numpy()
+rel = float(np.linalg.norm(ours - theirs) / np.linalg.norm(theirs))
+agree = float(np.mean(ours.argmax(-1) == theirs.argmax(-1)))
+log(f"export vs mtjax logits (fp32, 2x256 tokens): rel err {rel:.2e}, max abs "
+    f"{np.abs(ours - theirs).max():.2e}, argmax agreement {agree:.4f}")
+del exported, st, w
+
+# 5. The same shape and data from mtjax's own init: the step should run as fast.
+sh("-m", "mtjax.train", "--config", "configs/finetune.yaml", "--no-progress",
+   "--json", str(out / "own_init.json"), "data.source=prepared", f"data.path={data_dir}",
+   "train.steps=20", f"model.vocab_size={V}", f"model.hidden={D}", f"model.layers={L}",
+   f"model.heads={H}", f"model.kv_heads={KV}", f"model.ffn={F}", "model.tie_embeddings=true",
+   "model.rope_theta=500000.0", *common)
+own = json.loads((out / "own_init.json").read_text())
+summary = {"hf_params": n_params, "finetune": ft, "own_init": own, "logits_rel_err": rel,
+           "argmax_agreement": agree}
+(out / "hf_finetune_summary.json").write_text(json.dumps(summary, indent=1))
+log(f"step: fine-tune {ft['step_s_median']:.3f} s vs own init {own['step_s_median']:.3f} s")
