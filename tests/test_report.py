@@ -1,0 +1,57 @@
+"""python -m mtjax.report renders every plot of a small synthetic run folder."""
+
+import json
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from mtjax import report  # noqa: E402
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _write_run(run_dir, steps=12):
+  """metrics.jsonl written by hand (not by RunLog), with a null loss and held-out every 4 steps."""
+  lines = []
+  for i in range(steps):
+    r = {"step": i, "loss": None if i == 5 else 5.0 - 0.2 * i, "lr": 1e-3 * min(1, (i + 1) / 4),
+         "grad_norm": 1.0, "skipped": i == 5, "tokens_per_s": 900.0 + 10 * i, "model_tflops": 0.02,
+         "step_s": 0.3, "forward_s": 0.1, "backward_s": 0.15, "opt_wait_s": 0.01,
+         "transfer_wait_s": 0.02, "host_rss_gib": 1.0 + 0.01 * i, "device_peak_gib": 0.5,
+         "time": 1.7e9 + 0.3 * i}
+    if i % 4 == 3:
+      r["held_out_loss"] = 5.1 - 0.2 * i
+    lines.append(json.dumps(r))
+  (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+  lanes = {"h2d": [[0.0, 0.01, "0", "fwd"], [0.01, 0.02, "1", "fwd"]],
+           "compute": [[0.01, 0.03, "0", "fwd"], [0.03, 0.05, "1", "bwd"]],
+           "d2h": [[0.05, 0.06, "1", "bwd"]], "host optimizer": [[0.06, 0.08, "1", "bwd"]]}
+  (run_dir / "timeline.json").write_text(json.dumps(lanes))
+
+
+def test_renders_every_png(tmp_path, capsys):
+  run_dir, out = tmp_path / "run", tmp_path / "plots"
+  run_dir.mkdir()
+  _write_run(run_dir)
+  assert report.main([str(run_dir), "--out", str(out)]) == 0
+  names = {"loss.png", "lr.png", "throughput.png", "step_time.png", "memory.png", "timeline.png"}
+  assert {p.name for p in out.iterdir()} == names
+  for name in names:
+    data = (out / name).read_bytes()
+    assert data[:8] == PNG and len(data) > 1000, name
+  assert len(capsys.readouterr().out.splitlines()) == len(names)
+
+
+def test_tokens_seen_from_throughput():
+  records = [{"step": 0, "tokens_per_s": 100.0, "step_s": 2.0},
+             {"step": 1, "tokens_per_s": None, "step_s": 2.0},
+             {"step": 2, "tokens_per_s": 50.0, "step_s": 2.0}]
+  assert report.tokens_seen(records) == [200.0, 200.0, 300.0]
+  assert report.tokens_seen([{"step": 0, "tokens": 64}]) == [64.0]
+
+
+def test_folder_without_metrics_is_one_line_error(tmp_path, capsys):
+  assert report.main([str(tmp_path)]) == 2
+  err = capsys.readouterr().err
+  assert len(err.strip().splitlines()) == 1 and "metrics.jsonl" in err
