@@ -1,0 +1,71 @@
+"""The workflow examples run end to end: held-out loss falls, and the exports are Hugging Face models."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+def run_example(name: str, work: Path) -> dict:
+  r = subprocess.run([sys.executable, str(EXAMPLES / name), str(work)], capture_output=True,
+                     text=True, timeout=300)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  # The printed lines and summary.json say the same thing; the README shows the printed ones.
+  printed = {k: float(line.split(":")[1].split()[0]) for line in r.stdout.splitlines()
+             for k in ("before", "after") if line.startswith(f"held-out loss {k}:")}
+  s = json.loads((work / "summary.json").read_text())
+  assert printed == pytest.approx({"before": s["held_out_before"], "after": s["held_out_after"]},
+                                  abs=1e-4)
+  return s
+
+
+def assert_hf_directory(path: Path, vocab: int):
+  config = json.loads((path / "config.json").read_text())
+  assert config["vocab_size"] == vocab and config["architectures"] == ["LlamaForCausalLM"]
+  assert list(path.glob("*.safetensors"))
+  assert (path / "tokenizer.json").is_file()
+
+
+def test_pretrain_text(tmp_path):
+  s = run_example("pretrain_text.py", tmp_path)
+  assert len(s["held_out"]) >= 2 and s["held_out_after"] < s["held_out_before"]
+  assert list((tmp_path / "checkpoints").glob("step_*"))
+  assert_hf_directory(Path(s["export_dir"]), s["vocab_size"])
+
+
+def test_finetune_chat(tmp_path):
+  s = run_example("finetune_chat.py", tmp_path)
+  # before: the base model on the held-out chats; after: the export, reloaded, on the same batches.
+  assert s["held_out_after"] < s["held_out_before"] - 0.5
+  assert s["held_out_after"] == pytest.approx(s["held_out_during"][-1][1], rel=1e-4)
+  export = Path(s["export_dir"])
+  assert_hf_directory(export, s["vocab_size"])
+
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  # transformers reads the export (weights, config, tokenizer with its chat template) on its own.
+  tok = transformers.AutoTokenizer.from_pretrained(export)
+  msgs = [{"role": "user", "content": "Repeat these words: red cat moon"},
+          {"role": "assistant", "content": "red cat moon"}]
+  ids = tok.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"]
+  prompt = tok.apply_chat_template(msgs[:1], tokenize=True, return_dict=True,
+                                   add_generation_prompt=True)["input_ids"]
+  assert ids[:len(prompt)] == prompt
+  ids = torch.tensor([ids], dtype=torch.long)
+
+  def answer_loss(path):
+    m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+      logits = m(ids).logits
+    assert logits.shape == (1, ids.shape[1], s["vocab_size"])
+    assert torch.isfinite(logits).all()
+    # Loss on the answer and its end-of-turn token, the targets the chat loss mask counts (not the
+    # newline the template renders after them).
+    nll = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="none")
+    return float(nll[len(prompt) - 1:-1].mean())
+
+  assert answer_loss(export) < answer_loss(s["base_model"])
