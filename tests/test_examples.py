@@ -1,4 +1,4 @@
-"""The workflow examples run end to end: held-out loss falls, and the exports are Hugging Face models."""
+"""The workflow examples run end to end: held-out loss falls; the exports are Hugging Face models."""
 
 import json
 import subprocess
