@@ -4,7 +4,7 @@ Measures, in one process: the link and compute ceilings of this machine (bf16 ma
 pinned host<->device bandwidth, host AdamW rate), then each system on the same shape:
 
   mtjax         the engine as configured
-  mtjax-serial  the same engine with every overlap off (engine.overlap=false)
+  mtjax-serial  the same engine with every overlap off (Engine(..., overlap=False))
   jax-all-gpu   plain JAX: whole model jitted, params + AdamW state on the GPU, per-block remat
   roofline      max(FLOPs / matmul rate, PCIe bytes / bandwidth, params / host AdamW rate)
 

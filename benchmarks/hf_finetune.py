@@ -108,7 +108,7 @@ import numpy as np  # noqa: E402
 
 from mtjax import checkpoint, config, model, store  # noqa: E402
 
-cfg = config.load(ROOT / "configs/finetune.yaml", [f"model.from_hf={model_dir}",
+cfg = config.load(ROOT / "configs/finetune.yaml", [f"model.from_hf={model_dir}", f"data.path={data_dir}",
                                                    "engine.device_state_layers=0"])
 st = store.create(cfg, jax.random.key(0))
 checkpoint.restore(st, checkpoint.latest(work / "ck"))

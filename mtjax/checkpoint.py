@@ -25,6 +25,10 @@ from mtjax.store import LayerStore
 _STEP_DIR = re.compile(r"step_(\d+)$")
 
 
+class CheckpointMismatch(ValueError):
+  """A checkpoint of another model (other layer groups or parameter shapes): never skipped over."""
+
+
 def _layout_record(store: LayerStore) -> list:
   return [[g.name, g.size, [["/".join(p), list(s)] for p, s in zip(g.layout.paths, g.layout.shapes)]]
           for g in store.groups]
@@ -85,11 +89,12 @@ def restore(store: LayerStore, path: str | Path) -> dict:
   meta = read_meta(path)
   have, want = meta["groups"], _layout_record(store)
   if len(have) != len(want):
-    raise ValueError(f"checkpoint {path}: {len(have)} layer groups, the model has {len(want)}")
+    raise CheckpointMismatch(f"checkpoint {path}: {len(have)} layer groups, the model has "
+                             f"{len(want)}")
   for h, w in zip(have, want):
     if h != w:
-      raise ValueError(f"checkpoint {path}: group {h[0]} holds {h[1]} parameters in another "
-                       f"layout than the model's {w[0]} ({w[1]} parameters)")
+      raise CheckpointMismatch(f"checkpoint {path}: group {h[0]} holds {h[1]} parameters in "
+                               f"another layout than the model's {w[0]} ({w[1]} parameters)")
   ckptr = ocp.StandardCheckpointer()
   for i, g in enumerate(store.groups):
     try:
@@ -111,11 +116,48 @@ def restore(store: LayerStore, path: str | Path) -> dict:
 
 def restore_latest(store: LayerStore, directory: str | Path) -> tuple[Path | None, dict, list[str]]:
   """Restores the newest checkpoint that restores; returns (its path or None, its extra, one line
-  per newer checkpoint skipped, saying why). Skipped checkpoints are left in place."""
+  per newer checkpoint skipped, saying why). Skipped checkpoints are left in place. A checkpoint of
+  another model raises CheckpointMismatch: the directory belongs to another run."""
   skipped = []
   for path in steps(directory):
     try:
       return path, restore(store, path), skipped
+    except CheckpointMismatch:
+      raise
     except ValueError as e:
       skipped.append(f"skipped {path.name}: {e}")
   return None, {}, skipped
+
+
+def prune(directory: str | Path, keep: int) -> list[Path]:
+  """Deletes all but the newest `keep` committed checkpoints (keep 0: none deleted) and leftovers
+  of interrupted saves; returns what it deleted."""
+  directory = Path(directory)
+  gone = steps(directory)[keep:] if keep else []
+  gone += [p for p in directory.glob(".step_*.tmp-*") if p.is_dir()]
+  for p in gone:
+    shutil.rmtree(p, ignore_errors=True)
+  return gone
+
+
+def claim(directory: str | Path, resume: bool, overwrite: bool) -> None:
+  """Makes sure a run may use `directory` for its checkpoints, before anything is trained: it is
+  (or can be made) a writable folder, and a fresh run (resume false) never mixes its steps with
+  another run's unless asked to overwrite them, which deletes them."""
+  directory = Path(directory)
+  if directory.exists() and not directory.is_dir():
+    raise ValueError(f"train.checkpoint_dir: {directory} exists and is not a folder")
+  try:
+    directory.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise ValueError(f"train.checkpoint_dir: cannot create {directory} ({e.strerror})") from None
+  if not os.access(directory, os.W_OK | os.X_OK):
+    raise ValueError(f"train.checkpoint_dir: {directory} is not writable")
+  found = steps(directory)
+  if found and not resume:
+    if not overwrite:
+      raise ValueError(f"train.checkpoint_dir: {directory} holds another run's checkpoints "
+                       f"({found[0].name} newest); resume it (train.resume=true), delete them "
+                       f"(train.overwrite=true) or use another folder")
+    for p in found:
+      shutil.rmtree(p)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import types
 import typing
@@ -141,8 +142,14 @@ class TrainConfig:
   checkpoint_dir: str | None = None  # where orbax checkpoints go; None saves none
   checkpoint_every: int = 0  # steps between checkpoints; 0 saves only at the end
   resume: bool = True  # continue from the newest checkpoint in checkpoint_dir, if there is one
+  keep_checkpoints: int = 3  # committed checkpoints kept in checkpoint_dir, newest first; 0 keeps all
+  overwrite: bool = False  # start afresh in a checkpoint_dir that holds another run's checkpoints (deletes them)
+  max_skipped_steps: int = 5  # stop after this many steps in a row with a non-finite loss or gradient
   eval_every: int = 0  # steps between held-out evaluations on the prepared data's val split; 0: none
   eval_batches: int = 16  # at most this many held-out batches per evaluation
+  run_dir: str | None = None  # run folder (config, plan, metrics.jsonl, TensorBoard); None: checkpoint_dir, else runs/<time>
+  tensorboard: bool = True  # also write TensorBoard event files into run_dir/tb
+  profile_step: int = 0  # record a JAX profiler trace of this step into run_dir/profile; 0: none
   export_dir: str | None = None  # at the end, write the weights as a Hugging Face directory here
   export_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # tensor dtype of that export
 
@@ -150,6 +157,10 @@ class TrainConfig:
     _positive(self, "steps", "batch", "seq", "log_every")
     if self.checkpoint_every < 0:
       raise ConfigError(f"train.checkpoint_every: {self.checkpoint_every} must be >= 0")
+    if self.profile_step < 0:
+      raise ConfigError(f"train.profile_step: {self.profile_step} must be >= 0")
+    if self.keep_checkpoints < 0 or self.max_skipped_steps <= 0:
+      raise ConfigError("train.keep_checkpoints must be >= 0 and train.max_skipped_steps > 0")
     if self.eval_every < 0 or self.eval_batches <= 0:
       raise ConfigError("train.eval_every must be >= 0 and train.eval_batches > 0")
 
@@ -234,6 +245,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         pass
     if isinstance(value, bool) or not isinstance(value, (int, float)):
       raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if not math.isfinite(value):
+      raise ConfigError(f"{key}: {value!r} is not a finite number")
     return float(value)
   if tp is str:
     if not isinstance(value, str):
@@ -252,7 +265,10 @@ def _build(cls, raw: dict, prefix: str = ""):
 
 
 def _parse_scalar(text: str) -> Any:
-  return yaml.safe_load(text) if text.strip() else ""
+  try:
+    return yaml.safe_load(text) if text.strip() else ""
+  except yaml.YAMLError:
+    return text  # not YAML: the field's type check names the key
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
@@ -312,7 +328,17 @@ def with_hf_shape(raw: dict) -> dict:
 def _read_yaml(path: Path) -> dict:
   if not path.exists():
     raise ConfigError(f"config: file {path} does not exist")
-  raw = yaml.safe_load(path.read_text()) or {}
+  if not path.is_file():
+    raise ConfigError(f"config: {path} is not a file")
+  try:
+    raw = yaml.safe_load(path.read_text()) or {}
+  except (OSError, UnicodeDecodeError) as e:
+    raise ConfigError(f"config: cannot read {path} ({e})") from None
+  except yaml.YAMLError as e:
+    where = getattr(e, "problem_mark", None)
+    at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+    raise ConfigError(f"config: {path} is not valid YAML{at}: "
+                      f"{getattr(e, 'problem', None) or str(e).splitlines()[0]}") from None
   if not isinstance(raw, dict):
     raise ConfigError(f"config: {path} must hold a mapping")
   base = raw.pop("base", None)
@@ -331,7 +357,7 @@ def _merge(a: dict, b: dict) -> dict:
 def parse_cli(parser, argv=None):
   """Adds --config and dotted overrides to `parser`, parses `argv` and loads the config; a bad
   config ends the program with exit code 2 and a one-line message. Returns (args, config)."""
-  parser.add_argument("--config", required=True, help="YAML config file")
+  parser.add_argument("--config", help="YAML config file (default: every setting at its default)")
   parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=5")
   args = parser.parse_args(argv)
   try:

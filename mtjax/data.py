@@ -58,9 +58,22 @@ class TokenFile:
     path = Path(path)
     if not path.exists():
       raise FileNotFoundError(f"data.path: token file {path} does not exist")
+    if not path.is_file():
+      raise ValueError(f"data.path: {path} is not a file")
+    size, item = path.stat().st_size, np.dtype(dtype).itemsize
+    if size == 0:
+      raise ValueError(f"data.path: token file {path} is empty")
+    if size % item:
+      raise ValueError(f"data.path: {path} holds {size} bytes, not a whole number of {dtype} "
+                       f"tokens (truncated, or another data.dtype)")
     self.tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r")
     self.vocab = vocab
     self.path = path
+    # Up front and cheap: ids of about a million evenly spread tokens must fit the vocabulary.
+    sample = self.tokens[::max(1, self.tokens.shape[0] // 1_000_000)]
+    if int(sample.max()) >= vocab:
+      raise ValueError(f"data.path: {path} holds token id {int(sample.max())} >= model.vocab_size "
+                       f"({vocab})")
 
   def batch(self, step: int, batch: int, seq: int, seed: int) -> Batch:
     n = self.tokens.shape[0]
@@ -82,6 +95,9 @@ class _TokenWindows:
   def __init__(self, cfg: DataConfig, batch: int, seq: int, vocab: int, seed: int):
     self.file = TokenFile(cfg.path, cfg.dtype, vocab)
     self.shape, self.seed = (batch, seq), seed
+    n = self.file.tokens.shape[0]
+    if n < seq + 1:
+      raise ValueError(f"data.path: {cfg.path} holds {n} tokens, fewer than train.seq + 1 ({seq + 1})")
 
   def batch(self, step: int) -> Batch:
     return self.file.batch(step, *self.shape, self.seed)
@@ -468,9 +484,14 @@ def _encode_chunk(chunk: list[tuple[str, object]]) -> list[tuple[np.ndarray, np.
       ids, mask = chat.encode_chat(tok, _WORKER["template"], msgs)
     except ValueError as e:
       raise ValueError(f"{where}: {e}") from None
-    # The template usually ends a conversation with the end-of-turn token; EOS separates documents
-    # and is appended only when it is not already there, never as a target.
-    if len(ids) == 0 or ids[-1] != eos:
+    # The template usually ends a conversation with the end-of-turn token, often followed by a
+    # newline (ChatML); EOS separates documents and is appended only when the conversation does
+    # not already end with it (or with it and trailing whitespace), never as a target.
+    tail = ids
+    while len(tail) and tok.id_to_token(int(tail[-1])) is not None and not tok.decode(
+        [int(tail[-1])], skip_special_tokens=False).strip():
+      tail = tail[:-1]
+    if len(tail) == 0 or tail[-1] != eos:
       ids, mask = np.append(ids, eos), np.append(mask, np.uint8(0))
     out.append((ids, mask))
   return out

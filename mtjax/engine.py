@@ -157,6 +157,7 @@ class StepStats:
   step_s: float  # wall time of the step as seen by the host
   opt_wait_s: float  # host time spent waiting for the host optimizer
   tokens: int  # tokens in the global batch
+  skipped: bool = False  # the loss or a gradient was not finite: the update was not applied
 
 
 @dataclasses.dataclass
@@ -170,16 +171,26 @@ class _Inputs:
 # ---- clip policies: what happens to each gradient the backward produces --------------------------
 
 class _NoClip:
-  """Each gradient goes to the store as soon as it exists."""
+  """Each gradient goes to the store as soon as it exists.
+
+  Non-finite steps: the update of each group is gated on a device flag, "the loss and every
+  gradient produced so far are finite", read by the update itself (device groups) or by the host
+  optimizer's thread (host groups), so the loop never waits for it. A non-finite loss skips the
+  whole step; a gradient that turns non-finite under a finite loss skips its group and every group
+  after it in the backward, while the groups before it are already updated. For an all-or-nothing
+  skip in that case too, set optim.clip_norm: clipping knows the global norm before any update.
+  """
   passes = (True,)
 
-  def __init__(self, engine):
+  def __init__(self, engine, loss):
     self.engine, self.sq = engine, {}
+    self.ok = engine._finite(loss)  # a device bool, and-ed with each gradient's
 
   def sink(self, applying: bool):
     def take(idx, g, sq, w):
       self.sq[idx] = sq
-      self.engine._commit(idx, g, 1.0, w)
+      self.ok = self.engine._and_finite(self.ok, sq)
+      self.engine._commit(idx, g, 1.0, w, self.ok)
     return take
 
   def norm(self) -> float:
@@ -191,12 +202,15 @@ class _NoClip:
   def finish(self) -> float:
     return self.norm()
 
+  def skipped(self) -> bool:
+    return not bool(self.ok)
+
 
 class _HostBuffer(_NoClip):
   """Gradients wait (host groups' in pinned host memory) until the global norm is known."""
 
-  def __init__(self, engine):
-    super().__init__(engine)
+  def __init__(self, engine, loss):
+    super().__init__(engine, loss)
     self.held = {}
 
   def sink(self, applying):
@@ -210,9 +224,10 @@ class _HostBuffer(_NoClip):
 
   def finish(self):
     norm = self.norm()  # waits for the backward to end
-    scale = clip_scale(norm, self.engine.cfg.optim.clip_norm)
+    self.ok = bool(self.ok) and math.isfinite(norm)  # known before any update: all or nothing
+    scale = clip_scale(norm, self.engine.cfg.optim.clip_norm) if self.ok else 0.0
     for idx, (g, w) in self.held.items():  # in backward order, as they were produced
-      self.engine._commit(idx, g, scale, w)
+      self.engine._commit(idx, g, scale, w, self.ok)
     self.held.clear()
     return norm
 
@@ -221,24 +236,26 @@ class _Recompute(_NoClip):
   """A norm-only backward first, then an applying one with the scale known."""
   passes = (False, True)
 
-  def __init__(self, engine):
-    super().__init__(engine)
+  def __init__(self, engine, loss):
+    super().__init__(engine, loss)
     self.scale = None
 
   def sink(self, applying):
     if not applying:
       return lambda idx, g, sq, w: self.sq.__setitem__(idx, sq)
-    return lambda idx, g, sq, w: self.engine._commit(idx, g, self.scale, w)
+    return lambda idx, g, sq, w: self.engine._commit(idx, g, self.scale, w, self.ok)
 
   def between_passes(self):
-    self.scale = clip_scale(self.norm(), self.engine.cfg.optim.clip_norm)
+    norm = self.norm()
+    self.ok = bool(self.ok) and math.isfinite(norm)  # known before any update: all or nothing
+    self.scale = clip_scale(norm, self.engine.cfg.optim.clip_norm) if self.ok else 0.0
 
 
-def _clip_policy(engine):
+def _clip_policy(engine, loss):
   o = engine.cfg.optim
   if o.clip_norm is None:
-    return _NoClip(engine)
-  return _HostBuffer(engine) if o.clip_mode == "host_buffer" else _Recompute(engine)
+    return _NoClip(engine, loss)
+  return (_HostBuffer if o.clip_mode == "host_buffer" else _Recompute)(engine, loss)
 
 
 class Engine:
@@ -276,6 +293,8 @@ class Engine:
     self._head = jit(fns.head_step)
     self._sumsq = jax.jit(lambda g: jnp.sum(g * g))
     self._add = jax.jit(jnp.add)
+    self._finite = jax.jit(jnp.isfinite)
+    self._and_finite = jax.jit(lambda ok, x: ok & jnp.isfinite(x))
     # Benchmarks set a callable(lane, group, phase, array) told of every copy and kernel issued.
     self.observer = None
     self._phase = "fwd"
@@ -306,8 +325,8 @@ class Engine:
     if len(self._inflight) > self.cfg.engine.inflight_layers:
       jax.block_until_ready(self._inflight.popleft())
 
-  def _commit(self, idx, g, scale, w):
-    out = self.store.commit(idx, g, scale, w, max_queued=self.cfg.engine.grad_queue)
+  def _commit(self, idx, g, scale, w, ok=True):
+    out = self.store.commit(idx, g, scale, w, max_queued=self.cfg.engine.grad_queue, ok=ok)
     self._observe("d2h", idx, out)
     if not self.overlap:
       self.store.wait(idx)
@@ -420,7 +439,7 @@ class Engine:
     store.wait_s = 0.0
     inp = self._inputs(batch)
     loss, dx, head_grads, saved, keep = self._forward(inp)
-    clip = _clip_policy(self)
+    clip = _clip_policy(self, loss)
     for applying in clip.passes:
       self._backward(saved, dx, inp, head_grads, keep, clip.sink(applying),
                      last_pass=applying, update=applying)
@@ -428,9 +447,9 @@ class Engine:
         clip.between_passes()
     norm = clip.finish()
     lr = store.rule.lr(store.step)
-    store.end_step()
+    store.end_step()  # a skipped step still counts: batches and the schedule follow the step
     return StepStats(store.step, float(loss), norm, lr, time.perf_counter() - t0, store.wait_s,
-                     int(np.prod(batch.inputs.shape)))
+                     int(np.prod(batch.inputs.shape)), clip.skipped())
 
   def forward_backward(self, batch: Batch, sink) -> jax.Array:
     """Streams a forward and a backward without updating anything: `sink(group index, device

@@ -221,10 +221,13 @@ class HostOptimizer:
     """The native id of the worker thread (for per-thread CPU accounting)."""
     return self._pool.submit(threading.get_native_id).result()
 
-  def update(self, group, grad, step: int, scale: float, view):
+  def update(self, group, grad, step: int, scale: float, view, ok=True):
     """Applies update number `step` to a host-tier group; `grad` is a host array (or a pinned jax
     array whose copy may still be in flight: np.asarray waits for it); `view(attr)` gives the
-    group's writable numpy buffers."""
+    group's writable numpy buffers. With `ok` False (a bool or a device scalar, read here, on the
+    worker) the group is left untouched."""
+    if not bool(np.asarray(ok)):
+      return
     g = np.asarray(grad)
     if g.shape != (group.size,) or g.dtype != np.float32:
       raise ValueError(f"{group.name}: gradient {g.shape} {g.dtype}, expected ({group.size},) float32")
@@ -236,11 +239,11 @@ class HostOptimizer:
     if self.log is not None:
       self.log.append((group.name, t0, time.perf_counter()))
 
-  def submit(self, idx: int, group, grad, step: int, scale: float, view):
+  def submit(self, idx: int, group, grad, step: int, scale: float, view, ok=True):
     """Queues `update` on the worker thread; `wait(idx)` blocks until it has run."""
     self.check()
     self._pending[idx] = self._pool.submit(self.update, group, grad, step, scale,
-                                           lambda attr: view(idx, attr))
+                                           lambda attr: view(idx, attr), ok)
 
   def check(self):
     """Raises at once the error of any update that failed on the worker."""

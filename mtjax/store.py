@@ -159,18 +159,21 @@ class LayerStore:
     return x if self.on_host is None else jax.device_put(x, self.on_host)
 
   def commit(self, i: int, grad: jax.Array, scale: float = 1.0, w: jax.Array | None = None,
-             max_queued: int = 4):
-    """Applies update number `self.step` to group i with gradient `grad * scale`.
+             max_queued: int = 4, ok=True):
+    """Applies update number `self.step` to group i with gradient `grad * scale`, if `ok`.
 
     Args:
       grad: the fp32 gradient on the device.
       w: the group's weights on the device, when the caller holds them (saves a copy).
       max_queued: host updates allowed in flight before this call waits for the oldest.
+      ok: False (or a device bool that turns out False) leaves the group's weights and optimizer
+        state untouched: a step whose loss or gradients are not finite. A device bool is read by
+        the device update itself, or by the host optimizer's thread, never by the caller.
     """
     g = self.groups[i]
     if g.tier == "host":
       g_host = self.to_host(grad)
-      self.host_opt.submit(i, g, g_host, self.step, scale, self._host_view)
+      self.host_opt.submit(i, g, g_host, self.step, scale, self._host_view, ok)
       t = time.perf_counter()
       while self.host_opt.queued() > max_queued:
         self.host_opt.wait_oldest()
@@ -183,7 +186,7 @@ class LayerStore:
     else:
       opt = g.opt
     w, opt = self._device_update(w, opt, grad, self.rule.scalars(self.step), np.float32(scale),
-                                 g.layout)
+                                 g.layout, jnp.asarray(ok, bool))
     if g.tier == "device":
       g.w, g.opt = w, opt
       return None
@@ -201,8 +204,9 @@ class LayerStore:
     """Waits for group i's queued host update."""
     self.host_opt.wait(i)
 
-  def _device_update_fn(self, w, opt, grad, scalars, scale, layout):
-    return self.rule.device_update(w, opt, grad * scale, scalars, layout)
+  def _device_update_fn(self, w, opt, grad, scalars, scale, layout, ok):
+    new = self.rule.device_update(w, opt, grad * scale, scalars, layout)
+    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, (w, opt))
 
   def end_step(self):
     """Counts the update applied by the commits of this step."""

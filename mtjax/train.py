@@ -3,23 +3,49 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+import logging
+import math
+import os
 import resource
+import signal
 import statistics
 import sys
+import threading
 import time
+from pathlib import Path
 
 import jax
 from tqdm.auto import tqdm
 
 from mtjax import config as config_lib
-from mtjax import checkpoint, data, hf, plan as plan_lib, store as store_lib
+from mtjax import checkpoint, data, hf, plan as plan_lib, runlog, state as state_lib
+from mtjax import store as store_lib
 from mtjax.engine import Engine
+
+log = logging.getLogger("mtjax")
 
 
 def peak_rss_bytes() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def rss_bytes() -> int:
+  """This process's resident memory now (Linux /proc), or its peak where /proc is missing."""
+  try:
+    with open("/proc/self/statm") as f:
+      return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+  except OSError:
+    return peak_rss_bytes()
+
+
+def run_folder(cfg: config_lib.Config) -> Path:
+  tc = cfg.train
+  if tc.run_dir:
+    return Path(tc.run_dir)
+  if tc.checkpoint_dir:
+    return Path(tc.checkpoint_dir)
+  return Path("runs") / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
 
 
 def device_peak_bytes(device) -> int | None:
@@ -27,72 +53,192 @@ def device_peak_bytes(device) -> int | None:
   return None if not stats else stats.get("peak_bytes_in_use")
 
 
-def run(cfg: config_lib.Config, progress: bool = True, on_plan=None) -> dict:
-  """Trains for cfg.train.steps steps and returns a summary of the run; `on_plan(plan)` is called
-  once the run is planned, before anything is allocated."""
+class Stopped(Exception):
+  """A signal asked the run to stop; the current step finished and the state was saved."""
+
+
+class Abandoned(Exception):
+  """A second signal: the run stopped without finishing its step."""
+
+
+class TooManySkipped(Exception):
+  """train.max_skipped_steps steps in a row had a non-finite loss or gradient."""
+
+
+class _Signals:
+  """SIGINT / SIGTERM: the first finishes the step and saves, the second abandons it."""
+
+  def __init__(self):
+    self.received: list[int] = []
+    self._old = {}
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
+      for sig in (signal.SIGINT, signal.SIGTERM):
+        self._old[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    self.received.append(signum)
+    if len(self.received) > 1:
+      raise Abandoned(signal.Signals(signum).name)
+
+  def __exit__(self, *exc):
+    for sig, old in self._old.items():
+      signal.signal(sig, old)
+
+
+def check_outputs(cfg: config_lib.Config, json_path: str | None = None) -> None:
+  """Refuses, before any training, output paths that cannot be written."""
+  tc = cfg.train
+  if tc.checkpoint_dir:
+    checkpoint.claim(tc.checkpoint_dir, tc.resume, tc.overwrite)
+  for key, path in (("train.export_dir", tc.export_dir), ("--json", json_path)):
+    if not path:
+      continue
+    p = Path(path)
+    if key == "train.export_dir" and p.exists() and (not p.is_dir() or any(p.iterdir())):
+      raise ValueError(f"{key}: {p} exists and is not an empty folder")
+    if key == "--json" and p.is_dir():
+      raise ValueError(f"{key}: {p} is a folder")
+    parent = p.absolute().parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+      raise ValueError(f"{key}: cannot write into {parent}")
+
+
+def run(cfg: config_lib.Config, progress: bool = True, on_plan=None, json_path: str | None = None
+        ) -> dict:
+  """Trains for cfg.train.steps steps and returns a summary of the run.
+
+  Bad inputs (output paths, data files, a Hugging Face directory, a checkpoint of another model)
+  are refused before anything is trained. SIGINT/SIGTERM finish the current step, save a
+  checkpoint and raise Stopped; a second one raises Abandoned at once.
+
+  Args:
+    on_plan: called with the plan once the run is planned, before anything is allocated.
+    json_path: where the CLI will write the summary (checked up front).
+  """
+  check_outputs(cfg, json_path)
   cfg, plan = plan_lib.prepare(cfg)  # refuses a run that cannot fit, before any allocation
   if on_plan is not None:
     on_plan(plan)
+  tc = cfg.train
+  src = data.source(cfg.data, tc.batch, tc.seq, cfg.model.vocab_size, tc.seed)  # checks the files
+  if cfg.model.from_hf:
+    hf.Checkpoint(cfg.model.from_hf).check(cfg.model, state_lib.layouts(cfg.model))
   device = jax.devices()[0]
-  init_key = jax.random.key(cfg.train.seed)  # the only key: data is seeded from train.seed by step
+  init_key = jax.random.key(tc.seed)  # the only key: data is seeded from train.seed by step
   t0 = time.perf_counter()
   store = store_lib.create(cfg, init_key)
   init_s = time.perf_counter() - t0
-  tc = cfg.train
   resumed = None
   if tc.checkpoint_dir and tc.resume:
     resumed, _, skipped = checkpoint.restore_latest(store, tc.checkpoint_dir)
     for line in skipped:
-      print(f"checkpoint: {line}", file=sys.stderr)
+      log.warning("checkpoint: %s", line)
   if resumed is None and cfg.model.from_hf:
     hf.load_into(store, cfg.model.from_hf)
   engine = Engine(cfg, store)
-  src = data.source(cfg.data, tc.batch, tc.seq, cfg.model.vocab_size, tc.seed)
+  folder = run_folder(cfg)
+  metrics = runlog.RunLog(folder, config_lib.to_dict(cfg), plan_lib.format_plan(plan),
+                          start_step=store.step, tensorboard=tc.tensorboard)
+  accel = device.platform != "cpu"
 
   def meta():  # kept with every checkpoint: export reads the config, a resume the data position
     return {"config": config_lib.to_dict(cfg), "data_position": src.position(store.step)}
+
+  def save():
+    engine.sync()
+    path = checkpoint.save(store, tc.checkpoint_dir, meta())
+    checkpoint.prune(tc.checkpoint_dir, tc.keep_checkpoints)
+    return path
 
   def held_out():
     it = data.validation_batches(cfg.data, tc.batch, tc.seq, cfg.model.vocab_size)
     return engine.evaluate(b for _, b in zip(range(tc.eval_batches), it))
 
-  losses, times, evals = [], [], []
+  losses, times, evals, skipped_steps = [], [], [], []
+  in_a_row, stop, saved = 0, None, None
   bar = tqdm(range(store.step, tc.steps), desc="train", disable=not progress, dynamic_ncols=True)
+  n_params, tokens_per_step = store.n_params, tc.batch * tc.seq
   try:
-    for i in bar:
-      stats = engine.step(src.batch(i))
-      losses.append(stats.loss)
-      times.append(stats.step_s)
-      if tc.eval_every and (store.step % tc.eval_every == 0 or store.step == tc.steps):
-        evals.append((store.step, held_out()))
-        bar.set_postfix_str(f"held-out loss {evals[-1][1]:.4f}", refresh=False)
-      if i % tc.log_every == 0 or i == tc.steps - 1:
-        bar.set_postfix(loss=f"{stats.loss:.4f}", tok_s=f"{stats.tokens / stats.step_s:,.0f}",
-                        step_s=f"{stats.step_s:.3f}", gnorm=f"{stats.grad_norm:.3f}")
-      if tc.checkpoint_dir and tc.checkpoint_every and store.step % tc.checkpoint_every == 0:
-        engine.sync()
-        checkpoint.save(store, tc.checkpoint_dir, meta())
-    engine.sync()
-    if tc.checkpoint_dir and losses:
-      checkpoint.save(store, tc.checkpoint_dir, meta())
-    if tc.export_dir and losses:
-      hf.export_store(store, tc.export_dir, tc.export_dtype, cfg.model.from_hf)
+    with _Signals() as signals:
+      if tc.eval_every and store.step == 0 and tc.steps > 0:  # the baseline before any update
+        evals.append((0, held_out()))
+        metrics.log(0, held_out_loss=evals[-1][1], tokens=0)
+      for i in bar:
+        profiling = tc.profile_step == i + 1
+        if profiling:
+          jax.profiler.start_trace(str(folder / "profile"))
+        stats = engine.step(src.batch(i))
+        if profiling:
+          engine.sync()
+          jax.profiler.stop_trace()
+        losses.append(stats.loss)
+        times.append(stats.step_s)
+        in_a_row = in_a_row + 1 if stats.skipped else 0
+        if stats.skipped:
+          skipped_steps.append(stats.step)
+          log.warning("step %d skipped: loss %s, gradient norm %s (not finite)", stats.step,
+                      stats.loss, stats.grad_norm)
+          if in_a_row >= tc.max_skipped_steps:
+            raise TooManySkipped(f"{in_a_row} steps in a row (up to step {stats.step}) had a "
+                                 f"non-finite loss or gradient; lower optim.lr or set "
+                                 f"optim.clip_norm (train.max_skipped_steps={tc.max_skipped_steps})")
+        record = dict(loss=stats.loss, lr=stats.lr, grad_norm=stats.grad_norm,
+                      skipped=stats.skipped, tokens=stats.step * tokens_per_step,
+                      tokens_per_s=stats.tokens / stats.step_s,
+                      model_tflops=6 * n_params * stats.tokens / stats.step_s / 1e12,
+                      step_s=stats.step_s, opt_wait_s=stats.opt_wait_s,
+                      host_rss_gib=rss_bytes() / 2**30)
+        if accel:
+          record["device_peak_gib"] = (device_peak_bytes(device) or 0) / 2**30
+        if tc.eval_every and (store.step % tc.eval_every == 0 or store.step == tc.steps):
+          evals.append((store.step, held_out()))
+          record["held_out_loss"] = evals[-1][1]
+        metrics.log(stats.step, **record)
+        if i % tc.log_every == 0 or i == tc.steps - 1:
+          post = dict(loss=f"{stats.loss:.4f}", tok_s=f"{stats.tokens / stats.step_s:,.0f}",
+                      gnorm=f"{stats.grad_norm:.3f}")
+          if evals:
+            post["held_out"] = f"{evals[-1][1]:.4f}"
+          bar.set_postfix(post)
+        if signals.received:
+          stop = signal.Signals(signals.received[0]).name
+          break
+        if tc.checkpoint_dir and tc.checkpoint_every and store.step % tc.checkpoint_every == 0:
+          saved = save()
+      if tc.checkpoint_dir and losses and (saved is None or saved.name != f"step_{store.step}"):
+        saved = save()
+      engine.sync()
+      if tc.export_dir and losses and stop is None:
+        hf.export_store(store, tc.export_dir, tc.export_dtype, cfg.model.from_hf)
+  except Abandoned as e:
+    last = checkpoint.latest(tc.checkpoint_dir) if tc.checkpoint_dir else None
+    raise Abandoned(f"abandoned by a second {e} during step {store.step + 1}; last checkpoint: "
+                    f"{last or 'none'}") from None
   finally:
+    bar.close()
+    metrics.close()
     engine.close()
+  if stop is not None:
+    raise Stopped(f"stopped by {stop} after step {store.step}; "
+                  + (f"saved {saved}" if saved else "no checkpoint_dir, nothing saved"))
   if not losses:
     raise ValueError(f"train.steps: {tc.steps} reached already by the checkpoint at step "
                      f"{store.step} ({resumed}); raise train.steps to train further")
   timed = times[1:] or times  # the first step includes compilation
   step_s = statistics.median(timed)
-  tokens = cfg.train.batch * cfg.train.seq
+  tokens = tc.batch * tc.seq
   n = store.n_params
   allocated = store.allocated_bytes()
-  summary = {
+  return {
       "params": n,
       "steps": len(losses),
       "resumed_from": None if resumed is None else str(resumed),
       "first_loss": losses[0],
       "final_loss": losses[-1],
+      "skipped_steps": skipped_steps,
       "held_out": evals,  # (step, loss) of each evaluation
       "step_s_median": step_s,
       "tokens_per_s": tokens / step_s,
@@ -111,47 +257,87 @@ def run(cfg: config_lib.Config, progress: bool = True, on_plan=None) -> dict:
       "plan_schedule_best_s": plan.schedule_best_s,
       "device_state_layers": plan.device_state_layers,
       "device_update_layers": plan.device_update_layers,
+      "checkpoint": None if saved is None else str(saved),
+      "run_dir": str(folder),
       "device": str(device),
       "jax": jax.__version__,
   }
-  return summary
+
+
+def json_safe(x):
+  """The summary with non-finite numbers as null, so the file is valid JSON."""
+  if isinstance(x, float) and not math.isfinite(x):
+    return None
+  if isinstance(x, dict):
+    return {k: json_safe(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [json_safe(v) for v in x]
+  return x
 
 
 def format_summary(s: dict) -> str:
-  dev = "n/a" if s["device_peak_gib"] is None else f"{s['device_peak_gib']:.2f} GiB"
+  """A few aligned lines; figures that mean nothing on this backend (CPU) are left out."""
+  accel = s["device_peak_gib"] is not None
   held = (f" (held-out {s['held_out'][0][1]:.4f} -> {s['held_out'][-1][1]:.4f})"
           if s["held_out"] else "")
-  return (f"{s['params'] / 1e6:,.1f}M params on {s['device']} | {s['steps']} steps | "
-          f"loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}{held} | "
-          f"{s['tokens_per_s']:,.0f} tokens/s, {s['step_s_median']:.3f} s/step (median after the "
-          f"first), {s['model_tflops']:.2f} model TFLOP/s | state "
-          f"{s['state_bytes_per_param']:.2f} B/param ({s['state_host_gib']:.2f} GiB host, "
-          f"{s['state_device_gib']:.2f} GiB device), peak RSS {s['peak_rss_gib']:.2f} GiB | "
-          f"device peak {dev} | plan: host {s['plan_host_gib']:.2f} GiB, device "
-          f"{s['plan_device_gib']:.2f} GiB, step >= {s['plan_step_s']:.3f} s (schedule "
-          f"{s['plan_schedule_best_s']:.3f}-{s['plan_schedule_s']:.3f} s; groups: "
-          f"{s['device_state_layers']} in device memory, {s['device_update_layers']} streamed)")
+  skipped = f", {len(s['skipped_steps'])} skipped" if s["skipped_steps"] else ""
+  loss = lambda x: "nan" if x is None or not math.isfinite(x) else f"{x:.4f}"
+  rows = [
+      ("model", f"{s['params'] / 1e6:,.1f}M params on {s['device']}; state "
+                f"{s['state_bytes_per_param']:.2f} B/param: {s['state_host_gib']:.2f} GiB host, "
+                f"{s['state_device_gib']:.2f} GiB device ({s['device_state_layers']} groups in "
+                f"device memory, {s['device_update_layers']} streamed)"),
+      ("loss", f"{loss(s['first_loss'])} -> {loss(s['final_loss'])}{held} over {s['steps']} "
+               f"steps{skipped}"),
+      ("speed", f"{s['tokens_per_s']:,.0f} tokens/s, {s['step_s_median']:.3f} s/step (median "
+                f"after the first), {s['model_tflops']:.1f} model TFLOP/s"
+                + (f"; plan {s['plan_schedule_best_s']:.3f}-{s['plan_schedule_s']:.3f} s"
+                   if accel else "")),
+      ("memory", f"peak RSS {s['peak_rss_gib']:.2f} GiB (plan {s['plan_host_gib']:.2f})"
+                 + (f", device peak {s['device_peak_gib']:.2f} GiB (plan "
+                    f"{s['plan_device_gib']:.2f})" if accel else "")),
+      ("run folder", s["run_dir"] + (f"; checkpoint {s['checkpoint']}" if s["checkpoint"] else "")),
+  ]
+  return "\n".join(f"{k:<11}{v}" for k, v in rows)
 
 
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(prog="python -m mtjax.train", description=__doc__)
   p.add_argument("--json", help="also write the summary as JSON to this path")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  p.add_argument("--quiet", action="store_true",
+                 help="no progress bar, no summary and only warnings in the log (errors still show)")
+  p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                 help="level of mtjax's log messages on stderr")
   p.add_argument("--show-plan", action="store_true", help="print the plan before training")
+  p.add_argument("--debug", action="store_true",
+                 help="show the full traceback of an error instead of its one-line summary")
   args, cfg = config_lib.parse_cli(p, argv)
+  runlog.setup_logging("WARNING" if args.quiet else args.log_level)
   show = (lambda plan: print(plan_lib.format_plan(plan), flush=True)) if args.show_plan else None
   try:
-    summary = run(cfg, progress=not args.no_progress, on_plan=show)
+    summary = run(cfg, progress=not (args.no_progress or args.quiet), on_plan=show,
+                  json_path=args.json)
   except plan_lib.PlanError as e:
     print(f"refused: {e}", file=sys.stderr)
     return 2
-  except (ValueError, FileNotFoundError) as e:  # bad data file, checkpoint, or nothing to do
+  except (Stopped, Abandoned) as e:
+    print(f"{e}", file=sys.stderr)
+    return 128 + (signal.SIGTERM if "SIGTERM" in str(e) else signal.SIGINT)
+  except TooManySkipped as e:
     print(f"error: {e}", file=sys.stderr)
+    return 3
+  except (ValueError, OSError, KeyError) as e:  # bad input: data, checkpoint, paths, HF files
+    if args.debug:
+      raise
+    msg = " ".join(str(e).split()) or type(e).__name__
+    print(f"error: {msg}", file=sys.stderr)
     return 2
-  print(format_summary(summary))
+  if not args.quiet:
+    print(format_summary(summary))
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(summary, f, indent=2)
+      json.dump(json_safe(summary), f, indent=2, allow_nan=False)
   return 0
 
 

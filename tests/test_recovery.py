@@ -1,0 +1,204 @@
+"""Nothing lost: signals, SIGKILLs at random moments, non-finite steps and bad inputs, each tried
+on the real CLI in a subprocess; resumed runs must equal an uninterrupted run bit for bit."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from mtjax import checkpoint, config, data, engine, plan, store as store_lib
+
+TINY = Path(__file__).parent.parent / "configs" / "tiny.yaml"
+# decay_steps fixed: runs of different lengths share one schedule, so they can be compared.
+COMMON = ["optim.decay_steps=1000", "model.layers=1", "train.batch=4", "train.seq=16"]
+
+
+def cli(*args, timeout=300):
+  return subprocess.run([sys.executable, "-m", "mtjax.train", "--config", str(TINY),
+                         "--no-progress", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def start(*args):
+  return subprocess.Popen([sys.executable, "-m", "mtjax.train", "--config", str(TINY),
+                           "--no-progress", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+
+
+def weights_at(directory, step=None):
+  """The weights and optimizer state of a checkpoint (the newest, or `step`), as numpy trees."""
+  cfg, _ = plan.prepare(config.load(TINY, COMMON + ["engine.device_state_layers=0"]))
+  st = store_lib.create(cfg, jax.random.key(99))
+  path = checkpoint.latest(directory) if step is None else Path(directory) / f"step_{step}"
+  checkpoint.restore(st, path)
+  return st.step, st.to_tree(), st.opt_trees()
+
+
+def wait_for_step(ckdir, step, proc, limit=120):
+  """Waits until the run has committed checkpoint `step` (so it is training)."""
+  t = time.time()
+  while not (Path(ckdir) / f"step_{step}" / "meta.json").exists():
+    assert proc.poll() is None, proc.communicate()
+    assert time.time() - t < limit
+    time.sleep(0.05)
+
+
+def test_sigterm_finishes_the_step_saves_and_the_resumed_run_is_exact(tmp_path):
+  ck = tmp_path / "ck"
+  proc = start(*COMMON, "train.steps=5000", f"train.checkpoint_dir={ck}", "train.checkpoint_every=1")
+  wait_for_step(ck, 2, proc)
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 128 + signal.SIGTERM, err
+  assert "Traceback" not in err
+  line = [l for l in err.splitlines() if l.startswith("stopped by SIGTERM")]
+  assert len(line) == 1, err
+  stopped_at = int(line[0].split("after step ")[1].split(";")[0])
+  assert f"saved {ck / f'step_{stopped_at}'}" in line[0]
+  # Resume to stopped_at + 3 and compare with one uninterrupted run of that length.
+  n = stopped_at + 3
+  r = cli(*COMMON, f"train.steps={n}", f"train.checkpoint_dir={ck}")
+  assert r.returncode == 0, r.stderr
+  r = cli(*COMMON, f"train.steps={n}", f"train.checkpoint_dir={tmp_path / 'straight'}")
+  assert r.returncode == 0, r.stderr
+  a, b = weights_at(ck), weights_at(tmp_path / "straight")
+  assert a[0] == b[0] == n
+  chex.assert_trees_all_equal(a[1:], b[1:])  # bit for bit
+
+
+def test_a_second_signal_abandons_the_step_without_a_traceback(tmp_path):
+  ck = tmp_path / "ck"
+  proc = start(*COMMON, "train.steps=5000", f"train.checkpoint_dir={ck}", "train.checkpoint_every=1")
+  wait_for_step(ck, 1, proc)
+  proc.send_signal(signal.SIGINT)
+  proc.send_signal(signal.SIGINT)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 128 + signal.SIGINT, err
+  assert "Traceback" not in err and err.strip().count("\n") == 0, err
+  assert "abandoned by a second SIGINT" in err or "stopped by SIGINT" in err  # the 2nd may land late
+
+
+def test_sigkill_at_random_moments_fifty_times_then_resume_equals_uninterrupted(tmp_path):
+  # Kills land anywhere: during start-up, a step, a checkpoint's save (one group at a time, then
+  # the rename) or the pruning of old ones. Every restart resumes from what is on disk.
+  steps = 400
+  over = COMMON + [f"train.steps={steps}", f"train.checkpoint_dir={tmp_path / 'ck'}",
+                   "train.checkpoint_every=1", "train.keep_checkpoints=2"]
+  rng = random.Random(0)
+  kills = 0
+  while kills < 50:
+    proc = start(*over)
+    time.sleep(rng.uniform(1.0, 5.0))
+    if proc.poll() is not None:
+      break  # finished before the kill (should not happen with this many steps)
+    proc.kill()
+    proc.wait()
+    kills += 1
+  assert kills == 50
+  done = checkpoint.latest(tmp_path / "ck")
+  assert done is not None and 0 < int(done.name.split("_")[1]) < steps  # progress, not finished
+  n = int(done.name.split("_")[1]) + 2
+  r = cli(*over[:-3], f"train.steps={n}", f"train.checkpoint_dir={tmp_path / 'ck'}")
+  assert r.returncode == 0, r.stderr
+  r = cli(*COMMON, f"train.steps={n}", f"train.checkpoint_dir={tmp_path / 'straight'}")
+  assert r.returncode == 0, r.stderr
+  a, b = weights_at(tmp_path / "ck"), weights_at(tmp_path / "straight")
+  assert a[0] == b[0] == n
+  chex.assert_trees_all_equal(a[1:], b[1:])  # bit for bit
+  assert len(checkpoint.steps(tmp_path / "ck")) <= 2  # pruned to the last 2
+
+
+def test_non_finite_steps_are_skipped_logged_and_stop_the_run(tmp_path):
+  # A learning rate of 1e30 overflows the weights within a step or two: the loss turns NaN.
+  out = tmp_path / "s.json"
+  r = cli(*COMMON, "optim.lr=1e30", "optim.warmup_steps=0", "train.steps=6",
+          "train.max_skipped_steps=100", "--json", str(out))
+  assert r.returncode == 0, r.stderr
+  s = json.loads(out.read_text())  # valid JSON: no NaN in it
+  assert s["skipped_steps"] and s["final_loss"] is None
+  assert f"step {s['skipped_steps'][0]} skipped" in r.stderr
+  r = cli(*COMMON, "optim.lr=1e30", "optim.warmup_steps=0", "train.steps=50",
+          "train.max_skipped_steps=3", "--json", str(tmp_path / "t.json"))
+  assert r.returncode == 3 and "3 steps in a row" in r.stderr and "Traceback" not in r.stderr
+  assert not (tmp_path / "t.json").exists()
+
+
+@pytest.mark.parametrize("clip", [None, "host_buffer", "recompute"])
+@pytest.mark.parametrize("tiers", [(0, 0), (1, 1), (3, 0)])
+def test_a_step_with_a_non_finite_loss_touches_no_state(clip, tiers):
+  over = ["engine.compute_dtype=float32", f"engine.device_state_layers={tiers[0]}",
+          f"engine.device_update_layers={tiers[1]}"]
+  if clip:
+    over += ["optim.clip_norm=0.5", f"optim.clip_mode={clip}"]
+  cfg = config.load(TINY, COMMON + over)
+  st = store_lib.create(cfg, jax.random.key(0))
+  eng = engine.Engine(cfg, st)
+  eng.step(data.synthetic_batch(0, 4, 16, 256, 0))
+  eng.sync()
+  head = st.read(len(st.groups) - 1)
+  w = head["w"].copy()
+  w[0] = np.inf  # the final norm's scale: every logit, the loss and every gradient not finite
+  st.write(len(st.groups) - 1, w=w)
+  before = [st.read(i) for i in range(len(st.groups))]
+  stats = eng.step(data.synthetic_batch(1, 4, 16, 256, 0))
+  eng.sync()
+  assert stats.skipped and not np.isfinite(stats.loss)
+  for i, b in enumerate(before):
+    chex.assert_trees_all_equal(st.read(i), b)  # weights and optimizer state untouched
+  st.write(len(st.groups) - 1, w=head["w"])
+  assert not eng.step(data.synthetic_batch(2, 4, 16, 256, 0)).skipped
+  eng.close()
+
+
+def one_line_error(r, *parts):
+  assert r.returncode == 2, (r.returncode, r.stderr)
+  err = r.stderr.strip()
+  assert "\n" not in err and "Traceback" not in err, err
+  for p in parts:
+    assert p in err, err
+
+
+def test_bad_inputs_are_one_line_errors_before_any_training(tmp_path):
+  bad_yaml = tmp_path / "bad.yaml"
+  bad_yaml.write_text("model:\n  hidden: [64\n")
+  r = subprocess.run([sys.executable, "-m", "mtjax.train", "--config", str(bad_yaml)],
+                     capture_output=True, text=True)
+  assert r.returncode == 2 and "is not valid YAML at line" in r.stderr and "Traceback" not in r.stderr
+  r = subprocess.run([sys.executable, "-m", "mtjax.train", "--config", str(tmp_path)],
+                     capture_output=True, text=True)
+  assert r.returncode == 2 and "is not a file" in r.stderr
+  r = cli("optim.lr=.nan")
+  assert r.returncode == 2 and "optim.lr: nan is not a finite number" in r.stderr
+  (tmp_path / "file").write_text("x")
+  one_line_error(cli(f"train.checkpoint_dir={tmp_path / 'file'}"), "exists and is not a folder")
+  one_line_error(cli("--json", str(tmp_path / "missing" / "s.json")), "--json", "cannot write")
+  one_line_error(cli("data.source=tokens", f"data.path={tmp_path / 'none.bin'}"), "none.bin")
+  (tmp_path / "empty.bin").write_bytes(b"")
+  one_line_error(cli("data.source=tokens", f"data.path={tmp_path / 'empty.bin'}"), "empty.bin")
+  big = tmp_path / "big.bin"
+  np.full(4096, 300, np.uint16).tofile(big)  # ids beyond the vocabulary (256)
+  one_line_error(cli("data.source=tokens", f"data.path={big}"), "vocab")
+  (tmp_path / "out").mkdir()
+  (tmp_path / "out" / "x").write_text("x")
+  one_line_error(cli(f"train.export_dir={tmp_path / 'out'}"), "train.export_dir",
+                 "not an empty folder")
+  one_line_error(cli(f"model.from_hf={tmp_path / 'out'}"), "model.from_hf")
+  # A checkpoint folder of another model is refused, never silently skipped or mixed.
+  ck = tmp_path / "ck"
+  assert cli(*COMMON, "train.steps=2", f"train.checkpoint_dir={ck}").returncode == 0
+  one_line_error(cli(*COMMON, "model.hidden=32", "train.steps=3", f"train.checkpoint_dir={ck}"),
+                 "another layout")
+  one_line_error(cli(*COMMON, "train.steps=3", "train.resume=false", f"train.checkpoint_dir={ck}"),
+                 "holds another run's checkpoints")
+  assert checkpoint.steps(ck) == [ck / "step_2"]  # none of the refused runs wrote anything
+  r = cli(*COMMON, "train.steps=3", "train.resume=false", "train.overwrite=true",
+          f"train.checkpoint_dir={ck}")
+  assert r.returncode == 0 and checkpoint.steps(ck) == [ck / "step_3"]
