@@ -158,6 +158,14 @@ class StepStats:
   opt_wait_s: float  # host time spent waiting for the host optimizer
   tokens: int  # tokens in the global batch
   skipped: bool = False  # the loss or a gradient was not finite: the update was not applied
+  # The host's view of the step, which parts add up to step_s: issuing the forward, issuing the
+  # backward (work is queued asynchronously, at most engine.inflight_layers ahead of the device),
+  # and finishing (the device ends the backward; buffered clipping commits). Inside those, seconds
+  # blocked on the device (its compute and copies); opt_wait_s above are those on the host optimizer.
+  forward_s: float = 0.0
+  backward_s: float = 0.0
+  finish_s: float = 0.0
+  device_wait_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -299,6 +307,7 @@ class Engine:
     self.observer = None
     self._phase = "fwd"
     self._inflight = collections.deque()
+    self._device_wait = 0.0
 
   # ---- small helpers ---------------------------------------------------------------------------
 
@@ -318,12 +327,14 @@ class Engine:
 
   def _ready(self, x):
     """Bounds how far the host runs ahead of the device (and so how many layers are resident)."""
+    t = time.perf_counter()
     if not self.overlap:
       jax.block_until_ready(x)
-      return
-    self._inflight.append(x)
-    if len(self._inflight) > self.cfg.engine.inflight_layers:
-      jax.block_until_ready(self._inflight.popleft())
+    else:
+      self._inflight.append(x)
+      if len(self._inflight) > self.cfg.engine.inflight_layers:
+        jax.block_until_ready(self._inflight.popleft())
+    self._device_wait += time.perf_counter() - t
 
   def _commit(self, idx, g, scale, w, ok=True):
     out = self.store.commit(idx, g, scale, w, max_queued=self.cfg.engine.grad_queue, ok=ok)
@@ -436,20 +447,25 @@ class Engine:
     """One optimizer step on `batch`. Host updates may still run when this returns; `sync()` waits."""
     t0 = time.perf_counter()
     store = self.store
-    store.wait_s = 0.0
+    store.wait_s, self._device_wait = 0.0, 0.0
     inp = self._inputs(batch)
     loss, dx, head_grads, saved, keep = self._forward(inp)
+    t_fwd = time.perf_counter()
     clip = _clip_policy(self, loss)
     for applying in clip.passes:
       self._backward(saved, dx, inp, head_grads, keep, clip.sink(applying),
                      last_pass=applying, update=applying)
       if not applying:
         clip.between_passes()
-    norm = clip.finish()
+    t_bwd = time.perf_counter()
+    norm = clip.finish()  # the step's one read of device scalars: waits for the backward to end
+    loss = float(loss)
+    t_end = time.perf_counter()
     lr = store.rule.lr(store.step)
     store.end_step()  # a skipped step still counts: batches and the schedule follow the step
-    return StepStats(store.step, float(loss), norm, lr, time.perf_counter() - t0, store.wait_s,
-                     int(np.prod(batch.inputs.shape)), clip.skipped())
+    return StepStats(store.step, loss, norm, lr, t_end - t0, store.wait_s,
+                     int(np.prod(batch.inputs.shape)), clip.skipped(), t_fwd - t0, t_bwd - t_fwd,
+                     t_end - t_bwd, self._device_wait)
 
   def forward_backward(self, batch: Batch, sink) -> jax.Array:
     """Streams a forward and a backward without updating anything: `sink(group index, device

@@ -205,6 +205,10 @@ class UpdateRule:
       return jax.tree.map(np.array, new_opt)
 
 
+class HostUpdateError(RuntimeError):
+  """An update failed on the host optimizer's thread; the message names the group and step."""
+
+
 class HostOptimizer:
   """Runs host-tier updates on one worker thread, in the order gradients arrive."""
 
@@ -242,8 +246,15 @@ class HostOptimizer:
   def submit(self, idx: int, group, grad, step: int, scale: float, view, ok=True):
     """Queues `update` on the worker thread; `wait(idx)` blocks until it has run."""
     self.check()
-    self._pending[idx] = self._pool.submit(self.update, group, grad, step, scale,
+    self._pending[idx] = self._pool.submit(self._guarded, group, grad, step, scale,
                                            lambda attr: view(idx, attr), ok)
+
+  def _guarded(self, group, grad, step, scale, view, ok):
+    try:
+      self.update(group, grad, step, scale, view, ok)
+    except Exception as e:  # noqa: BLE001 - re-raised on the main thread with where it happened
+      raise HostUpdateError(f"host update of {group.name} at step {step + 1} failed: "
+                            f"{type(e).__name__}: {e}") from e
 
   def check(self):
     """Raises at once the error of any update that failed on the worker."""

@@ -16,8 +16,11 @@ from pathlib import Path
 from mtjax.runlog import METRICS, read_metrics
 
 # The parts of step_s, in stacking order, with their legend names.
-SPLIT = (("forward_s", "forward"), ("backward_s", "backward"), ("opt_wait_s", "optimizer wait"),
-         ("transfer_wait_s", "transfer wait"))
+# The parts of step_s as the trainer logs them (they add up to it); the waits on the host
+# optimizer and the device happen inside them and are drawn as lines over the bars.
+SPLIT = (("forward_s", "forward (issued)"), ("backward_s", "backward (issued)"),
+         ("finish_s", "end of step"))
+WAITS = (("opt_wait_s", "waiting on the host optimizer"), ("device_wait_s", "waiting on the device"))
 
 
 def _series(records: list[dict], field: str, x: list) -> tuple[list, list]:
@@ -108,6 +111,9 @@ def _plot_step_time(plt, records, path) -> Path:
   if any(rest):
     ax.bar(steps, rest, bottom=bottom, width=0.8, color="#bbbbbb",
            label="other" if parts else "step")
+  for field, label in WAITS:
+    if _has(records, field):
+      ax.plot(steps, [num(r, field) for r in records], marker=".", linewidth=1, label=label)
   ax.set_xlabel("step")
   ax.set_ylabel("seconds")
   ax.set_title("Step time split per step (stacked)")

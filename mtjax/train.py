@@ -22,6 +22,7 @@ from mtjax import config as config_lib
 from mtjax import checkpoint, data, hf, plan as plan_lib, runlog, state as state_lib
 from mtjax import store as store_lib
 from mtjax.engine import Engine
+from mtjax.optimizer import HostUpdateError
 
 log = logging.getLogger("mtjax")
 
@@ -141,7 +142,8 @@ def run(cfg: config_lib.Config, progress: bool = True, on_plan=None, json_path: 
   engine = Engine(cfg, store)
   folder = run_folder(cfg)
   metrics = runlog.RunLog(folder, config_lib.to_dict(cfg), plan_lib.format_plan(plan),
-                          start_step=store.step, tensorboard=tc.tensorboard)
+                          start_step=store.step + 1 if resumed else 0,  # steps are 1-based
+                          tensorboard=tc.tensorboard)
   accel = device.platform != "cpu"
 
   def meta():  # kept with every checkpoint: export reads the config, a resume the data position
@@ -189,7 +191,10 @@ def run(cfg: config_lib.Config, progress: bool = True, on_plan=None, json_path: 
                       skipped=stats.skipped, tokens=stats.step * tokens_per_step,
                       tokens_per_s=stats.tokens / stats.step_s,
                       model_tflops=6 * n_params * stats.tokens / stats.step_s / 1e12,
-                      step_s=stats.step_s, opt_wait_s=stats.opt_wait_s,
+                      step_s=stats.step_s, forward_s=stats.forward_s,
+                      backward_s=stats.backward_s, finish_s=stats.finish_s,
+                      opt_wait_s=stats.opt_wait_s,
+                      device_wait_s=stats.device_wait_s,
                       host_rss_gib=rss_bytes() / 2**30)
         if accel:
           record["device_peak_gib"] = (device_peak_bytes(device) or 0) / 2**30
@@ -217,10 +222,17 @@ def run(cfg: config_lib.Config, progress: bool = True, on_plan=None, json_path: 
     last = checkpoint.latest(tc.checkpoint_dir) if tc.checkpoint_dir else None
     raise Abandoned(f"abandoned by a second {e} during step {store.step + 1}; last checkpoint: "
                     f"{last or 'none'}") from None
+  except HostUpdateError as e:
+    last = checkpoint.latest(tc.checkpoint_dir) if tc.checkpoint_dir else None
+    raise HostUpdateError(f"{e}; the state in memory is part-updated and was not saved; last "
+                          f"checkpoint: {last or 'none'}") from None
   finally:
     bar.close()
     metrics.close()
-    engine.close()
+    try:
+      engine.close()
+    except HostUpdateError:
+      pass  # already on its way to the caller
   if stop is not None:
     raise Stopped(f"stopped by {stop} after step {store.step}; "
                   + (f"saved {saved}" if saved else "no checkpoint_dir, nothing saved"))
@@ -327,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
   except TooManySkipped as e:
     print(f"error: {e}", file=sys.stderr)
     return 3
+  except HostUpdateError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
   except (ValueError, OSError, KeyError) as e:  # bad input: data, checkpoint, paths, HF files
     if args.debug:
       raise

@@ -105,3 +105,25 @@ def test_a_committed_step_is_never_rewritten(tmp_path):
   _, fresh = new(seed=3)
   checkpoint.restore(fresh, path)
   assert np.any(fresh.read(1)["w"] != 0)
+
+
+def test_a_corrupted_group_is_caught_by_its_checksum(tmp_path):
+  cfg, st = new()
+  good = checkpoint.save(st, tmp_path)
+  st.step = 1
+  bad = checkpoint.save(st, tmp_path)
+  # Silent corruption of the stored data: one weight of block_0 changed under the same metadata.
+  import orbax.checkpoint as ocp
+  ckptr = ocp.StandardCheckpointer()
+  tree = ckptr.restore(bad / "block_0")
+  tree = jax.tree.map(np.asarray, tree)
+  tree["w"] = tree["w"].copy()
+  tree["w"][5] += 1.0
+  shutil.rmtree(bad / "block_0")
+  ckptr.save(bad / "block_0", tree)
+  ckptr.wait_until_finished()
+  _, fresh = new(seed=3)
+  with pytest.raises(ValueError, match="block_0 does not match its checksum"):
+    checkpoint.restore(fresh, bad)
+  path, _, skipped = checkpoint.restore_latest(fresh, tmp_path)
+  assert path == good and "checksum" in skipped[0]

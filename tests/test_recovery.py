@@ -27,10 +27,10 @@ def cli(*args, timeout=300):
                          "--no-progress", *args], capture_output=True, text=True, timeout=timeout)
 
 
-def start(*args):
+def start(*args, env=None):
   return subprocess.Popen([sys.executable, "-m", "mtjax.train", "--config", str(TINY),
                            "--no-progress", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True)
+                          text=True, env=env)
 
 
 def weights_at(directory, step=None):
@@ -90,30 +90,42 @@ def test_sigkill_at_random_moments_fifty_times_then_resume_equals_uninterrupted(
   # Kills land anywhere: during start-up, a step, a checkpoint's save (one group at a time, then
   # the rename) or the pruning of old ones. Every restart resumes from what is on disk.
   steps = 400
-  over = COMMON + [f"train.steps={steps}", f"train.checkpoint_dir={tmp_path / 'ck'}",
+  ck = tmp_path / "ck"
+  over = COMMON + [f"train.steps={steps}", f"train.checkpoint_dir={ck}",
                    "train.checkpoint_every=1", "train.keep_checkpoints=2"]
+  # A compilation cache shortens each restart; it changes no numerics.
+  env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
+         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
   rng = random.Random(0)
-  kills = 0
+  kills, during_startup = 0, 0
   while kills < 50:
-    proc = start(*over)
-    time.sleep(rng.uniform(1.0, 5.0))
-    if proc.poll() is not None:
-      break  # finished before the kill (should not happen with this many steps)
+    before = checkpoint.latest(ck)
+    proc = start(*over, env=env)
+    if rng.random() < 0.2:  # anywhere, start-up included
+      time.sleep(rng.uniform(0.0, 4.0))
+      during_startup += checkpoint.latest(ck) == before
+    else:  # once training is under way: in a step, a save or a prune
+      t = time.time()
+      while checkpoint.latest(ck) == before and proc.poll() is None and time.time() - t < 60:
+        time.sleep(0.02)
+      time.sleep(rng.uniform(0.0, 0.8))
+    assert proc.poll() is None, proc.communicate()  # still running: the kill lands mid-run
     proc.kill()
     proc.wait()
     kills += 1
-  assert kills == 50
+  assert kills == 50 and during_startup > 0
   done = checkpoint.latest(tmp_path / "ck")
   assert done is not None and 0 < int(done.name.split("_")[1]) < steps  # progress, not finished
   n = int(done.name.split("_")[1]) + 2
-  r = cli(*over[:-3], f"train.steps={n}", f"train.checkpoint_dir={tmp_path / 'ck'}")
+  r = cli(*COMMON, f"train.steps={n}", f"train.checkpoint_dir={ck}")
   assert r.returncode == 0, r.stderr
   r = cli(*COMMON, f"train.steps={n}", f"train.checkpoint_dir={tmp_path / 'straight'}")
   assert r.returncode == 0, r.stderr
   a, b = weights_at(tmp_path / "ck"), weights_at(tmp_path / "straight")
   assert a[0] == b[0] == n
   chex.assert_trees_all_equal(a[1:], b[1:])  # bit for bit
-  assert len(checkpoint.steps(tmp_path / "ck")) <= 2  # pruned to the last 2
+  assert len(checkpoint.steps(tmp_path / "ck")) <= 3  # pruned to the default last 3
 
 
 def test_non_finite_steps_are_skipped_logged_and_stop_the_run(tmp_path):
@@ -202,3 +214,22 @@ def test_bad_inputs_are_one_line_errors_before_any_training(tmp_path):
   r = cli(*COMMON, "train.steps=3", "train.resume=false", "train.overwrite=true",
           f"train.checkpoint_dir={ck}")
   assert r.returncode == 0 and checkpoint.steps(ck) == [ck / "step_3"]
+
+
+def test_a_failing_host_update_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+  from mtjax import optimizer, train
+  real = optimizer.UpdateRule.host_update
+
+  def failing(self, w, opt, g, step, scale, layout):
+    if step == 2:
+      raise MemoryError("injected")
+    return real(self, w, opt, g, step, scale, layout)
+
+  monkeypatch.setattr(optimizer.UpdateRule, "host_update", failing)
+  ck = tmp_path / "ck"
+  cfg = config.load(TINY, COMMON + ["train.steps=6", f"train.checkpoint_dir={ck}",
+                                    "train.checkpoint_every=1"])
+  with pytest.raises(optimizer.HostUpdateError, match=r"at step 3 failed: MemoryError: injected.*"
+                     r"not saved; last checkpoint: .*step_2"):
+    train.run(cfg, progress=False)
+  assert checkpoint.latest(ck).name == "step_2"  # nothing part-updated was saved

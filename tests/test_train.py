@@ -39,3 +39,31 @@ def test_custom_loop_example_runs():
   assert r.returncode == 0, r.stderr
   losses = [float(l.split()[3]) for l in r.stdout.splitlines() if l.startswith("step")]
   assert losses[-1] < losses[0]
+
+
+def test_a_run_leaves_its_folder_and_the_report_renders_from_it(tmp_path):
+  pytest.importorskip("matplotlib")
+  from mtjax import report, runlog
+  ck = tmp_path / "run"
+  cfg = config.load(TINY, ["train.steps=4", f"train.checkpoint_dir={ck}", "optim.decay_steps=8"])
+  s = train.run(cfg, progress=False)
+  assert s["run_dir"] == str(ck)
+  assert (ck / "config.yaml").exists() and "parameters" in (ck / "plan.txt").read_text()
+  records = runlog.read_metrics(ck)
+  assert [r["step"] for r in records] == [1, 2, 3, 4]
+  for r in records:
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_s", "forward_s", "backward_s",
+            "finish_s", "opt_wait_s", "host_rss_gib"} <= set(r)
+    parts = r["forward_s"] + r["backward_s"] + r["finish_s"]
+    assert parts == pytest.approx(r["step_s"], rel=1e-6)  # the split is a partition of the step
+  assert [r["loss"] for r in records] == pytest.approx([s["first_loss"], *[r["loss"] for r in records[1:3]], s["final_loss"]])
+  # Resuming appends to the same log.
+  train.run(config.load(TINY, ["train.steps=6", f"train.checkpoint_dir={ck}", "optim.decay_steps=8"]),
+            progress=False)
+  assert [r["step"] for r in runlog.read_metrics(ck)] == [1, 2, 3, 4, 5, 6]
+  assert any((ck / "tb").glob("events.out.tfevents.*"))
+  pngs = report.render(ck, tmp_path / "report")
+  names = {p.name for p in pngs}
+  assert {"loss.png", "lr.png", "throughput.png", "step_time.png", "memory.png"} <= names
+  for p in pngs:
+    assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
