@@ -157,7 +157,7 @@ def flops(cfg: config_lib.Config, attention: str) -> dict:
   n_params = lays["embed"].size + m.layers * lays["block"].size + lays["head"].size
   block_matmul = lays["block"].n_decay  # every matrix of a block is a matmul weight
   head_matmul = m.hidden * m.vocab_size
-  causal = 0.5 if attention == "cudnn" else 1.0  # flash kernels skip the masked half
+  causal = 0.5 if attention in ("cudnn", "blockwise") else 1.0  # flash kernels skip the masked half
   attn_fwd = 4 * t.batch * t.seq**2 * m.heads * m.dim_per_head * causal
   hw = m.layers * (8 * block_matmul * tokens + 4 * attn_fwd) + 6 * head_matmul * tokens
   return {"model": 6 * n_params * tokens, "hw": hw, "params": n_params, "tokens": tokens}
@@ -400,7 +400,8 @@ def main(argv=None):
     i = systems.index("mtjax") + 1 if "mtjax" in systems else 0
     systems[i:i] = list(variants)
   dev = jax.devices()[0]
-  attention = attention_impl(cfg.engine.attention, dev, cfg.engine.compute_dtype, cfg.model)
+  attention = attention_impl(cfg.engine.attention, dev, cfg.engine.compute_dtype, cfg.model,
+                             cfg.train.seq)
   work = flops(cfg, attention)
   print(f"{cfg.model.layers} layers x {cfg.model.hidden} hidden, {work['params'] / 1e9:.2f}B params, "
         f"batch {cfg.train.batch} x seq {cfg.train.seq}, attention {attention}, {dev}", flush=True)

@@ -99,7 +99,7 @@ class EngineConfig:
   activations: Literal["device", "host"] = "device"  # where each block's saved input lives between forward and backward
   micro_batch: int | None = None  # sequences per chunk inside a layer; None means the whole batch
   loss_chunk: int = 1024  # tokens per LM-head chunk, so full logits never exist
-  attention: Literal["auto", "xla", "cudnn"] = "auto"  # dot_product_attention implementation
+  attention: Literal["auto", "xla", "cudnn", "blockwise"] = "auto"  # attention kernel: XLA's, cuDNN's fused one, or mtjax's blockwise (no [T x T] tensor)
   matmul_precision: Literal["default", "high", "highest"] = "default"  # highest: true fp32 matmuls on GPU (no TF32)
   inflight_layers: int = 2  # layers the host may queue ahead of the device (bounds device memory)
   grad_queue: int = 4  # gradients awaiting the host optimizer before the device waits (bounds host buffers)

@@ -137,15 +137,22 @@ def layer_fns(cfg: ModelConfig, lays: dict[str, Layout], compute_dtype, micro_ba
   return LayerFns(embed_fwd, embed_bwd, block_fwd, block_bwd, head_step)
 
 
-def attention_impl(choice: str, device: jax.Device, compute_dtype: str, cfg: ModelConfig) -> str:
+# From this sequence length on, `auto` takes the blockwise attention over XLA's, whose [T x T]
+# scores (and their gradient) outgrow a layer's other activations.
+BLOCKWISE_FROM_SEQ = 4096
+
+
+def attention_impl(choice: str, device: jax.Device, compute_dtype: str, cfg: ModelConfig,
+                   seq: int = 0) -> str:
   """`auto` takes cuDNN's fused (flash) attention where it applies: on a GPU, in bf16, for head
-  widths it supports; jax's own default is the XLA path that materialises [T x T] scores."""
+  widths it supports (packed documents then go to the blockwise kernel, which takes their mask);
+  elsewhere XLA's attention for short sequences, the blockwise one (mtjax.attention) for long."""
   if choice != "auto":
     return choice
   hd = cfg.dim_per_head
   if device.platform == "gpu" and compute_dtype == "bfloat16" and hd % 8 == 0 and hd <= 128:
     return "cudnn"
-  return "xla"
+  return "blockwise" if seq >= BLOCKWISE_FROM_SEQ else "xla"
 
 
 @dataclasses.dataclass
@@ -281,7 +288,8 @@ class Engine:
     self.overlap = overlap
     self.device = store.mesh.devices.flat[0]
     e = cfg.engine
-    self.attention = attention_impl(e.attention, self.device, e.compute_dtype, cfg.model)
+    self.attention = attention_impl(e.attention, self.device, e.compute_dtype, cfg.model,
+                                    cfg.train.seq)
     fns = layer_fns(cfg.model, store.layouts, DTYPES[e.compute_dtype], e.micro_batch,
                     e.loss_chunk, self.attention)
     self.fns = fns
@@ -519,7 +527,7 @@ def compiled_memory(cfg: Config, device: jax.Device | None = None) -> dict[str, 
   lays = layouts(m)
   cd = DTYPES[e.compute_dtype]
   fns = layer_fns(m, lays, cd, e.micro_batch, e.loss_chunk,
-                  attention_impl(e.attention, device, e.compute_dtype, m))
+                  attention_impl(e.attention, device, e.compute_dtype, m, t.seq))
   sh = jax.sharding.SingleDeviceSharding(device)
   S = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
   B, T, D = t.batch, t.seq, m.hidden

@@ -14,6 +14,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from mtjax import attention
 from mtjax.config import ModelConfig
 
 
@@ -105,12 +106,18 @@ class Attention(nn.Module):
       k = RMSNorm(cfg.norm_eps, name="k_norm")(k)
     inv_freq = rope_inv_freq(cfg)
     q, k = apply_rope(q, inv_freq, ctx.positions), apply_rope(k, inv_freq, ctx.positions)
-    mask, impl = None, self.implementation
-    if ctx.segments is not None:  # packed documents: no attention across a document boundary
-      mask = (ctx.segments[:, :, None] == ctx.segments[:, None, :])[:, None]
-      impl = "xla" if impl == "cudnn" else impl  # the fused kernel takes no arbitrary mask
-    out_BxTxHxh = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
-                                               implementation=impl)
+    impl = self.implementation
+    if impl == "cudnn" and ctx.segments is not None:
+      impl = "blockwise"  # the fused kernel takes no document mask; no [T x T] mask instead
+    if impl == "blockwise":
+      out_BxTxHxh = attention.blockwise_attention(q, k, v, segments_q_BxT=ctx.segments,
+                                                  segments_k_BxS=ctx.segments, causal=True)
+    else:
+      mask = None
+      if ctx.segments is not None:  # packed documents: no attention across a document boundary
+        mask = (ctx.segments[:, :, None] == ctx.segments[:, None, :])[:, None]
+      out_BxTxHxh = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                                 implementation=impl)
     return _dense(cfg.hidden, "o")(out_BxTxHxh.reshape(B, T, H * hd))
 
 

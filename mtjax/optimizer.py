@@ -124,26 +124,14 @@ class UpdateRule:
     """A new group's optimizer state as numpy arrays in plain host memory."""
     if self.fused:
       return {"m": np.zeros(layout.size, np.float32), "v": np.zeros(layout.size, np.float32)}
-    zeros = {}
-    for path, shape in zip(layout.paths, layout.shapes):
-      node = zeros
-      for k in path[:-1]:
-        node = node.setdefault(k, {})
-      node[path[-1]] = np.zeros(shape, np.float32)
     with jax.default_device(self._cpu):
-      return jax.tree.map(np.array, self.tx.init(zeros))
+      return jax.tree.map(np.array, self.tx.init(layout.unflatten(np.zeros(layout.size, np.float32))))
 
   def state_bytes(self, layout: Layout) -> int:
     """Bytes of one group's optimizer state (shapes only, nothing allocated)."""
     if self.fused:
       return 8 * layout.size
-    tree = {}
-    for path, shape in zip(layout.paths, layout.shapes):
-      node = tree
-      for k in path[:-1]:
-        node = node.setdefault(k, {})
-      node[path[-1]] = jax.ShapeDtypeStruct(shape, jnp.float32)
-    shapes = jax.eval_shape(self.tx.init, tree)
+    shapes = jax.eval_shape(lambda: self.tx.init(layout.unflatten(jnp.zeros(layout.size))))
     return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(shapes))
 
   def scalars(self, step: int) -> dict:

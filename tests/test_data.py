@@ -271,12 +271,14 @@ def test_prepare_chat_writes_the_assistant_mask(tmp_path):
   msgs = [m["messages"] for m in lines[:2]] + [[{"role": "user", "content": "Hello?"},
                                                 {"role": "assistant", "content": "Paris."}]]
   want = [chat.encode_chat(tok, template, m) for m in msgs]
-  # the template ends with "<|im_end|>\n", so EOS (<|im_end|>) is appended, unmasked
+  # the template ends each conversation with "<|im_end|>\n": it ends with EOS (<|im_end|>) and
+  # whitespace already, so no second EOS is appended
   eos = tok.token_to_id("<|im_end|>")
+  assert all(eos in ids[-3:] for ids, _ in want)
   toks = np.fromfile(tmp_path / "out" / "train.bin", np.uint16)
   mask = np.fromfile(tmp_path / "out" / "train.mask", np.uint8)
-  np.testing.assert_array_equal(toks, np.concatenate([np.r_[i, eos] for i, _ in want]))
-  np.testing.assert_array_equal(mask, np.concatenate([np.r_[m, 0] for _, m in want]))
+  np.testing.assert_array_equal(toks, np.concatenate([i for i, _ in want]))
+  np.testing.assert_array_equal(mask, np.concatenate([m for _, m in want]))
   b = next(data.validation_batches(prepared_cfg(tmp_path / "out"), 4, 128, tok.get_vocab_size(),
                                    split="train"))
   counted = b.targets[b.loss_weights > 0]

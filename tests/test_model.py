@@ -35,15 +35,15 @@ def packed_ctx(B, T, seed):
 
 @given(heads=hst.sampled_from([2, 4, 8]), kv=hst.sampled_from([1, 2]), bias=hst.booleans(),
        scaling=hst.sampled_from(["none", "linear", "llama3"]), T=hst.sampled_from([1, 7, 16]),
-       qk_norm=hst.booleans(), packed=hst.booleans())
-def test_block_equals_naive_reference(heads, kv, bias, scaling, T, qk_norm, packed):
+       qk_norm=hst.booleans(), packed=hst.booleans(), impl=hst.sampled_from(["xla", "blockwise"]))
+def test_block_equals_naive_reference(heads, kv, bias, scaling, T, qk_norm, packed, impl):
   cfg = model_cfg(heads=heads, kv_heads=kv, head_dim=8, qkv_bias=bias, rope_scaling=scaling,
                   rope_factor=4.0, rope_original_max_len=8, qk_norm=qk_norm)
   _, p = random_block(cfg)
   x = jax.random.normal(jax.random.key(1), (2, T, cfg.hidden))
   pos, seg = packed_ctx(2, T, T) if packed else (None, None)
   ctx = model.Ctx(jnp.asarray(pos), jnp.asarray(seg)) if packed else None
-  got = model.Block(cfg, "xla").apply({"params": p}, x, ctx)
+  got = model.Block(cfg, impl).apply({"params": p}, x, ctx)
   want = ref.block(x, p, cfg, pos, seg)
   chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-5)
 

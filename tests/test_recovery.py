@@ -42,6 +42,15 @@ def weights_at(directory, step=None):
   return st.step, st.to_tree(), st.opt_trees()
 
 
+def resume_and_run_straight(tmp_path, ck, n):
+  """Resumes the run in `ck` to step n, and trains one uninterrupted run of n steps beside it."""
+  from mtjax import train
+  for d in (ck, tmp_path / "straight"):
+    s = train.run(config.load(TINY, COMMON + [f"train.steps={n}", f"train.checkpoint_dir={d}"]),
+                  progress=False)
+    assert s["checkpoint"].endswith(f"step_{n}")
+
+
 def wait_for_step(ckdir, step, proc, limit=120):
   """Waits until the run has committed checkpoint `step` (so it is training)."""
   t = time.time()
@@ -63,12 +72,9 @@ def test_sigterm_finishes_the_step_saves_and_the_resumed_run_is_exact(tmp_path):
   assert len(line) == 1, err
   stopped_at = int(line[0].split("after step ")[1].split(";")[0])
   assert f"saved {ck / f'step_{stopped_at}'}" in line[0]
-  # Resume to stopped_at + 3 and compare with one uninterrupted run of that length.
+  # Resume to stopped_at + 3 and compare with one uninterrupted run of that length (in-process).
   n = stopped_at + 3
-  r = cli(*COMMON, f"train.steps={n}", f"train.checkpoint_dir={ck}")
-  assert r.returncode == 0, r.stderr
-  r = cli(*COMMON, f"train.steps={n}", f"train.checkpoint_dir={tmp_path / 'straight'}")
-  assert r.returncode == 0, r.stderr
+  resume_and_run_straight(tmp_path, ck, n)
   a, b = weights_at(ck), weights_at(tmp_path / "straight")
   assert a[0] == b[0] == n
   chex.assert_trees_all_equal(a[1:], b[1:])  # bit for bit
@@ -118,10 +124,7 @@ def test_sigkill_at_random_moments_fifty_times_then_resume_equals_uninterrupted(
   done = checkpoint.latest(tmp_path / "ck")
   assert done is not None and 0 < int(done.name.split("_")[1]) < steps  # progress, not finished
   n = int(done.name.split("_")[1]) + 2
-  r = cli(*COMMON, f"train.steps={n}", f"train.checkpoint_dir={ck}")
-  assert r.returncode == 0, r.stderr
-  r = cli(*COMMON, f"train.steps={n}", f"train.checkpoint_dir={tmp_path / 'straight'}")
-  assert r.returncode == 0, r.stderr
+  resume_and_run_straight(tmp_path, ck, n)
   a, b = weights_at(tmp_path / "ck"), weights_at(tmp_path / "straight")
   assert a[0] == b[0] == n
   chex.assert_trees_all_equal(a[1:], b[1:])  # bit for bit
@@ -170,50 +173,58 @@ def test_a_step_with_a_non_finite_loss_touches_no_state(clip, tiers):
   eng.close()
 
 
-def one_line_error(r, *parts):
-  assert r.returncode == 2, (r.returncode, r.stderr)
-  err = r.stderr.strip()
+def one_line_error(result, *parts):
+  code, err = result
+  assert code == 2, (code, err)
+  err = err.strip()
   assert "\n" not in err and "Traceback" not in err, err
   for p in parts:
     assert p in err, err
 
 
-def test_bad_inputs_are_one_line_errors_before_any_training(tmp_path):
+def test_bad_inputs_are_one_line_errors_before_any_training(tmp_path, capsys):
+  from mtjax import train
+
+  def main(*args, config_path=TINY):  # the CLI in-process: same checks, no interpreter start-up
+    capsys.readouterr()
+    try:
+      code = train.main(["--config", str(config_path), "--no-progress", *args])
+    except SystemExit as e:
+      code = e.code
+    return code, capsys.readouterr().err
+
   bad_yaml = tmp_path / "bad.yaml"
   bad_yaml.write_text("model:\n  hidden: [64\n")
-  r = subprocess.run([sys.executable, "-m", "mtjax.train", "--config", str(bad_yaml)],
-                     capture_output=True, text=True)
-  assert r.returncode == 2 and "is not valid YAML at line" in r.stderr and "Traceback" not in r.stderr
-  r = subprocess.run([sys.executable, "-m", "mtjax.train", "--config", str(tmp_path)],
-                     capture_output=True, text=True)
-  assert r.returncode == 2 and "is not a file" in r.stderr
-  r = cli("optim.lr=.nan")
-  assert r.returncode == 2 and "optim.lr: nan is not a finite number" in r.stderr
+  one_line_error(main(config_path=bad_yaml), "is not valid YAML at line 3")
+  one_line_error(main(config_path=tmp_path), "is not a file")
+  one_line_error(main("optim.lr=.nan"), "optim.lr: nan is not a finite number")
   (tmp_path / "file").write_text("x")
-  one_line_error(cli(f"train.checkpoint_dir={tmp_path / 'file'}"), "exists and is not a folder")
-  one_line_error(cli("--json", str(tmp_path / "missing" / "s.json")), "--json", "cannot write")
-  one_line_error(cli("data.source=tokens", f"data.path={tmp_path / 'none.bin'}"), "none.bin")
+  one_line_error(main(f"train.checkpoint_dir={tmp_path / 'file'}"), "exists and is not a folder")
+  one_line_error(main("--json", str(tmp_path / "missing" / "s.json")), "--json", "cannot write")
+  one_line_error(main("data.source=tokens", f"data.path={tmp_path / 'none.bin'}"), "none.bin")
   (tmp_path / "empty.bin").write_bytes(b"")
-  one_line_error(cli("data.source=tokens", f"data.path={tmp_path / 'empty.bin'}"), "empty.bin")
+  one_line_error(main("data.source=tokens", f"data.path={tmp_path / 'empty.bin'}"), "is empty")
+  (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
+  one_line_error(main("data.source=tokens", f"data.path={tmp_path / 'odd.bin'}"), "truncated")
   big = tmp_path / "big.bin"
   np.full(4096, 300, np.uint16).tofile(big)  # ids beyond the vocabulary (256)
-  one_line_error(cli("data.source=tokens", f"data.path={big}"), "vocab")
+  one_line_error(main("data.source=tokens", f"data.path={big}"), "token id 300 >= model.vocab_size")
   (tmp_path / "out").mkdir()
   (tmp_path / "out" / "x").write_text("x")
-  one_line_error(cli(f"train.export_dir={tmp_path / 'out'}"), "train.export_dir",
+  one_line_error(main(f"train.export_dir={tmp_path / 'out'}"), "train.export_dir",
                  "not an empty folder")
-  one_line_error(cli(f"model.from_hf={tmp_path / 'out'}"), "model.from_hf")
+  one_line_error(main(f"model.from_hf={tmp_path / 'out'}"), "model.from_hf")
   # A checkpoint folder of another model is refused, never silently skipped or mixed.
   ck = tmp_path / "ck"
-  assert cli(*COMMON, "train.steps=2", f"train.checkpoint_dir={ck}").returncode == 0
-  one_line_error(cli(*COMMON, "model.hidden=32", "train.steps=3", f"train.checkpoint_dir={ck}"),
+  assert main(*COMMON, "train.steps=2", f"train.checkpoint_dir={ck}")[0] == 0
+  one_line_error(main(*COMMON, "model.hidden=32", "train.steps=3", f"train.checkpoint_dir={ck}"),
                  "another layout")
-  one_line_error(cli(*COMMON, "train.steps=3", "train.resume=false", f"train.checkpoint_dir={ck}"),
+  one_line_error(main(*COMMON, "train.steps=3", "train.resume=false", f"train.checkpoint_dir={ck}"),
                  "holds another run's checkpoints")
   assert checkpoint.steps(ck) == [ck / "step_2"]  # none of the refused runs wrote anything
-  r = cli(*COMMON, "train.steps=3", "train.resume=false", "train.overwrite=true",
-          f"train.checkpoint_dir={ck}")
-  assert r.returncode == 0 and checkpoint.steps(ck) == [ck / "step_3"]
+  assert main(*COMMON, "train.steps=3", "train.resume=false", "train.overwrite=true",
+              f"train.checkpoint_dir={ck}")[0] == 0
+  assert checkpoint.steps(ck) == [ck / "step_3"]
 
 
 def test_a_failing_host_update_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
