@@ -48,6 +48,8 @@ def save(store: LayerStore, directory: str | Path, extra: dict | None = None) ->
   final = directory / f"step_{store.step}"
   if (final / "meta.json").exists():
     return final
+  if final.exists():  # left by a kill inside prune's delete: incomplete, never a committed step
+    shutil.rmtree(final)
   tmp = directory / f".step_{store.step}.tmp-{os.getpid()}"
   shutil.rmtree(tmp, ignore_errors=True)
   tmp.mkdir(parents=True)
@@ -135,11 +137,20 @@ def restore_latest(store: LayerStore, directory: str | Path) -> tuple[Path | Non
   skipped = []
   for path in steps(directory):
     try:
-      return path, restore(store, path), skipped
+      extra = restore(store, path)
     except CheckpointMismatch:
       raise
     except ValueError as e:
-      skipped.append(f"skipped {path.name}: {e}")
+      # Kept, under a name that no longer counts as a step: a later save of the same step or the
+      # pruning of old ones must not treat it as the newest good checkpoint.
+      kept = path.with_name(f".damaged-{path.name}")
+      shutil.rmtree(kept, ignore_errors=True)
+      os.replace(path, kept)
+      skipped.append(f"skipped {path.name} (kept as {kept.name}): {e}")
+      continue
+    return path, extra, skipped
+  if skipped:  # the state may hold part of a damaged checkpoint: never train on from it
+    raise ValueError(f"checkpoint_dir {directory}: no checkpoint restores ({'; '.join(skipped)})")
   return None, {}, skipped
 
 
@@ -149,6 +160,7 @@ def prune(directory: str | Path, keep: int) -> list[Path]:
   directory = Path(directory)
   gone = steps(directory)[keep:] if keep else []
   gone += [p for p in directory.glob(".step_*.tmp-*") if p.is_dir()]
+  gone += [p for p in directory.glob("step_*") if p.is_dir() and not (p / "meta.json").exists()]
   for p in gone:
     shutil.rmtree(p, ignore_errors=True)
   return gone

@@ -102,13 +102,15 @@ class EngineConfig:
   attention: Literal["auto", "xla", "cudnn", "blockwise"] = "auto"  # attention kernel: XLA's, cuDNN's fused one, or mtjax's blockwise (no [T x T] tensor)
   matmul_precision: Literal["default", "high", "highest"] = "default"  # highest: true fp32 matmuls on GPU (no TF32)
   inflight_layers: int = 2  # layers the host may queue ahead of the device (bounds device memory)
-  grad_queue: int = 4  # gradients awaiting the host optimizer before the device waits (bounds host buffers)
+  grad_queue: int | Literal["auto"] = 4  # host-group gradients awaiting the host optimizer before the device waits (bounds host buffers); auto: the planner picks
   device_state_layers: int | Literal["auto"] = "auto"  # first N layer groups (embedding, block 0, ...) whose weights and optimizer state live in device memory; auto: as few as make host RAM suffice
   device_update_layers: int | Literal["auto"] = 0  # the next N groups are updated on the device, their optimizer state streamed through it; auto: the planner picks
   device_memory_gb: float | None = None  # device memory the run may use (as on a smaller card); None: 92% of the device
 
   def __post_init__(self):
-    _positive(self, "loss_chunk", "inflight_layers", "grad_queue")
+    _positive(self, "loss_chunk", "inflight_layers")
+    if self.grad_queue != "auto" and self.grad_queue <= 0:
+      raise ConfigError(f"engine.grad_queue: {self.grad_queue} must be > 0 or auto")
     for key in ("device_state_layers", "device_update_layers"):
       n = getattr(self, key)
       if n != "auto" and n < 0:

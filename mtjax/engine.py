@@ -233,8 +233,10 @@ class _HostBuffer(_NoClip):
 
     def take(idx, g, sq, w):
       self.sq[idx] = sq
-      host = store.groups[idx].tier == "host"
-      self.held[idx] = (store.to_host(g) if host else g, w)
+      if store.groups[idx].tier == "host":  # the gradient waits in pinned host memory, w unneeded
+        self.held[idx] = (store.to_host(g), None)
+      else:  # held on the device until the norm is known (the planner counts it)
+        self.held[idx] = (g, w)
     return take
 
   def finish(self):

@@ -18,6 +18,7 @@ import logging
 import math
 import numbers
 import os
+import sys
 import socket
 import struct
 import time
@@ -47,11 +48,12 @@ def setup_logging(level: int | str = logging.INFO) -> logging.Logger:
   Returns:
     The "mtjax" logger.
   """
-  if not any(getattr(h, "_mtjax", False) for h in logger.handlers):
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    handler._mtjax = True  # marks ours, so a second call does not print every record twice
-    logger.addHandler(handler)
+  for old in [h for h in logger.handlers if getattr(h, "_mtjax", False)]:
+    logger.removeHandler(old)  # bound to the stderr of an earlier call, which may be gone now
+  handler = logging.StreamHandler(sys.stderr)
+  handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+  handler._mtjax = True  # marks ours, so a second call does not print every record twice
+  logger.addHandler(handler)
   logger.setLevel(level.upper() if isinstance(level, str) else level)
   return logger
 

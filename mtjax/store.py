@@ -56,7 +56,7 @@ def placement(cfg: Config) -> list[Tier]:
   in device memory, the next `engine.device_update_layers` streamed, the rest on the host."""
   e = cfg.engine
   n = cfg.model.layers + 2
-  if e.device_state_layers == "auto" or e.device_update_layers == "auto":
+  if "auto" in (e.device_state_layers, e.device_update_layers, e.grad_queue):
     raise ValueError("engine placement is 'auto': resolve it with mtjax.plan.prepare(cfg) first")
   n_dev = min(e.device_state_layers, n)
   n_str = min(e.device_update_layers, n - n_dev)
@@ -98,6 +98,7 @@ class LayerStore:
     self._resident: dict[int, jax.Array] = {}  # stream groups: updated weights kept on the device
     self._moments: dict[int, dict] = {}  # stream groups: optimizer state prefetched to the device
     self._views: dict[tuple[int, str], np.ndarray] = {}
+    self._views_lock = threading.Lock()  # the host optimizer's thread fills it too
     self._device_update = jax.jit(self._device_update_fn, static_argnums=(5,),
                                   donate_argnums=(0, 1, 2))
 
@@ -192,8 +193,7 @@ class LayerStore:
       return None
     # The weights stay on the device; only the optimizer state goes back now.
     self._resident[i] = w
-    g.opt = self.to_host(opt)
-    self._drop_views(i)
+    g.opt = self.to_host(opt)  # a stream group's state is never viewed in place: no views to drop
     return jax.tree.leaves(g.opt)[-1]
 
   def is_resident(self, i: int) -> bool:
@@ -231,17 +231,20 @@ class LayerStore:
   def _host_view(self, i: int, attr: str) -> np.ndarray:
     """A writable numpy view of a host-tier group's buffer (w or an optimizer leaf name)."""
     key = (i, attr)
-    view = self._views.get(key)
+    with self._views_lock:
+      view = self._views.get(key)
     if view is None:
       g = self.groups[i]
       buf = g.w if attr == "w" else g.opt[attr]
       view = buf if isinstance(buf, np.ndarray) else writable_view(buf.block_until_ready())
-      self._views[key] = view
+      with self._views_lock:
+        self._views[key] = view
     return view
 
   def _drop_views(self, i: int):
-    for key in [k for k in self._views if k[0] == i]:
-      del self._views[key]
+    with self._views_lock:
+      for key in [k for k in self._views if k[0] == i]:
+        del self._views[key]
 
   def read(self, i: int) -> dict:
     """Numpy copies of group i's state, {'w': ..., 'opt': {...}}; call `sync()` first."""

@@ -109,6 +109,22 @@ def check_outputs(cfg: config_lib.Config, json_path: str | None = None) -> None:
 
 def run(cfg: config_lib.Config, progress: bool = True, on_plan=None, json_path: str | None = None
         ) -> dict:
+  """Trains for cfg.train.steps steps and returns a summary of the run (see `_run`); SIGINT and
+  SIGTERM are handled from the start to the end of the run, the final sync included."""
+  with _Signals() as signals:
+    try:
+      return _run(cfg, progress, on_plan, json_path, signals)
+    except Abandoned as e:
+      if str(e).startswith("abandoned"):
+        raise
+      # The second signal landed outside the step loop (start-up, the final save or sync).
+      ck = cfg.train.checkpoint_dir
+      last = checkpoint.latest(ck) if ck else None
+      raise Abandoned(f"abandoned by a second {e}; last checkpoint: {last or 'none'}") from None
+
+
+def _run(cfg: config_lib.Config, progress: bool, on_plan, json_path: str | None, signals
+         ) -> dict:
   """Trains for cfg.train.steps steps and returns a summary of the run.
 
   Bad inputs (output paths, data files, a Hugging Face directory, a checkpoint of another model)
@@ -164,60 +180,64 @@ def run(cfg: config_lib.Config, progress: bool = True, on_plan=None, json_path: 
   bar = tqdm(range(store.step, tc.steps), desc="train", disable=not progress, dynamic_ncols=True)
   n_params, tokens_per_step = store.n_params, tc.batch * tc.seq
   try:
-    with _Signals() as signals:
-      if tc.eval_every and store.step == 0 and tc.steps > 0:  # the baseline before any update
-        evals.append((0, held_out()))
-        metrics.log(0, held_out_loss=evals[-1][1], tokens=0)
-      for i in bar:
-        profiling = tc.profile_step == i + 1
-        if profiling:
-          jax.profiler.start_trace(str(folder / "profile"))
-        stats = engine.step(src.batch(i))
-        if profiling:
-          engine.sync()
-          jax.profiler.stop_trace()
-        losses.append(stats.loss)
-        times.append(stats.step_s)
-        in_a_row = in_a_row + 1 if stats.skipped else 0
-        if stats.skipped:
-          skipped_steps.append(stats.step)
-          log.warning("step %d skipped: loss %s, gradient norm %s (not finite)", stats.step,
-                      stats.loss, stats.grad_norm)
-          if in_a_row >= tc.max_skipped_steps:
-            raise TooManySkipped(f"{in_a_row} steps in a row (up to step {stats.step}) had a "
-                                 f"non-finite loss or gradient; lower optim.lr or set "
-                                 f"optim.clip_norm (train.max_skipped_steps={tc.max_skipped_steps})")
-        record = dict(loss=stats.loss, lr=stats.lr, grad_norm=stats.grad_norm,
-                      skipped=stats.skipped, tokens=stats.step * tokens_per_step,
-                      tokens_per_s=stats.tokens / stats.step_s,
-                      model_tflops=6 * n_params * stats.tokens / stats.step_s / 1e12,
-                      step_s=stats.step_s, forward_s=stats.forward_s,
-                      backward_s=stats.backward_s, finish_s=stats.finish_s,
-                      opt_wait_s=stats.opt_wait_s,
-                      device_wait_s=stats.device_wait_s,
-                      host_rss_gib=rss_bytes() / 2**30)
-        if accel:
-          record["device_peak_gib"] = (device_peak_bytes(device) or 0) / 2**30
-        if tc.eval_every and (store.step % tc.eval_every == 0 or store.step == tc.steps):
-          evals.append((store.step, held_out()))
-          record["held_out_loss"] = evals[-1][1]
-        metrics.log(stats.step, **record)
-        if i % tc.log_every == 0 or i == tc.steps - 1:
-          post = dict(loss=f"{stats.loss:.4f}", tok_s=f"{stats.tokens / stats.step_s:,.0f}",
-                      gnorm=f"{stats.grad_norm:.3f}")
-          if evals:
-            post["held_out"] = f"{evals[-1][1]:.4f}"
-          bar.set_postfix(post)
-        if signals.received:
-          stop = signal.Signals(signals.received[0]).name
-          break
-        if tc.checkpoint_dir and tc.checkpoint_every and store.step % tc.checkpoint_every == 0:
-          saved = save()
-      if tc.checkpoint_dir and losses and (saved is None or saved.name != f"step_{store.step}"):
+    if tc.eval_every and store.step == 0 and tc.steps > 0:  # the baseline before any update
+      evals.append((0, held_out()))
+      metrics.log(0, held_out_loss=evals[-1][1], tokens=0)
+    for i in bar:
+      if signals.received:  # arrived before this step: during start-up or an evaluation
+        stop = signal.Signals(signals.received[0]).name
+        break
+      profiling = tc.profile_step == i + 1
+      if profiling:
+        jax.profiler.start_trace(str(folder / "profile"))
+      stats = engine.step(src.batch(i))
+      if profiling:
+        engine.sync()
+        jax.profiler.stop_trace()
+      losses.append(stats.loss)
+      times.append(stats.step_s)
+      in_a_row = in_a_row + 1 if stats.skipped else 0
+      if stats.skipped:
+        skipped_steps.append(stats.step)
+        log.warning("step %d skipped: loss %s, gradient norm %s (not finite)", stats.step,
+                    stats.loss, stats.grad_norm)
+        if in_a_row >= tc.max_skipped_steps:
+          last = checkpoint.latest(tc.checkpoint_dir) if tc.checkpoint_dir else None
+          raise TooManySkipped(f"{in_a_row} steps in a row (up to step {stats.step}) had a "
+                               f"non-finite loss or gradient; lower optim.lr or set "
+                               f"optim.clip_norm (train.max_skipped_steps={tc.max_skipped_steps}); "
+                               f"last checkpoint: {last or 'none'}")
+      record = dict(loss=stats.loss, lr=stats.lr, grad_norm=stats.grad_norm,
+                    skipped=stats.skipped, tokens=stats.step * tokens_per_step,
+                    tokens_per_s=stats.tokens / stats.step_s,
+                    model_tflops=6 * n_params * stats.tokens / stats.step_s / 1e12,
+                    step_s=stats.step_s, forward_s=stats.forward_s,
+                    backward_s=stats.backward_s, finish_s=stats.finish_s,
+                    opt_wait_s=stats.opt_wait_s,
+                    device_wait_s=stats.device_wait_s,
+                    host_rss_gib=rss_bytes() / 2**30)
+      if accel:
+        record["device_peak_gib"] = (device_peak_bytes(device) or 0) / 2**30
+      if tc.eval_every and (store.step % tc.eval_every == 0 or store.step == tc.steps):
+        evals.append((store.step, held_out()))
+        record["held_out_loss"] = evals[-1][1]
+      metrics.log(stats.step, **record)
+      if i % tc.log_every == 0 or i == tc.steps - 1:
+        post = dict(loss=f"{stats.loss:.4f}", tok_s=f"{stats.tokens / stats.step_s:,.0f}",
+                    gnorm=f"{stats.grad_norm:.3f}")
+        if evals:
+          post["held_out"] = f"{evals[-1][1]:.4f}"
+        bar.set_postfix(post)
+      if signals.received:
+        stop = signal.Signals(signals.received[0]).name
+        break
+      if tc.checkpoint_dir and tc.checkpoint_every and store.step % tc.checkpoint_every == 0:
         saved = save()
-      engine.sync()
-      if tc.export_dir and losses and stop is None:
-        hf.export_store(store, tc.export_dir, tc.export_dtype, cfg.model.from_hf)
+    if tc.checkpoint_dir and losses and (saved is None or saved.name != f"step_{store.step}"):
+      saved = save()
+    engine.sync()
+    if tc.export_dir and losses and stop is None:
+      hf.export_store(store, tc.export_dir, tc.export_dtype, cfg.model.from_hf)
   except Abandoned as e:
     last = checkpoint.latest(tc.checkpoint_dir) if tc.checkpoint_dir else None
     raise Abandoned(f"abandoned by a second {e} during step {store.step + 1}; last checkpoint: "
@@ -235,7 +255,8 @@ def run(cfg: config_lib.Config, progress: bool = True, on_plan=None, json_path: 
       pass  # already on its way to the caller
   if stop is not None:
     raise Stopped(f"stopped by {stop} after step {store.step}; "
-                  + (f"saved {saved}" if saved else "no checkpoint_dir, nothing saved"))
+                  + (f"saved {saved}" if saved else "nothing saved (no checkpoint_dir, or no "
+                                                    "step trained)"))
   if not losses:
     raise ValueError(f"train.steps: {tc.steps} reached already by the checkpoint at step "
                      f"{store.step} ({resumed}); raise train.steps to train further")

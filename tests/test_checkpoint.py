@@ -91,7 +91,8 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path):
   path, _, skipped = checkpoint.restore_latest(fresh, tmp_path)
   assert path == good and fresh.step == 1
   assert len(skipped) == 1 and "step_2" in skipped[0] and "block_1" in skipped[0]
-  assert bad.exists()  # skipped, never deleted
+  assert not bad.exists() and (tmp_path / ".damaged-step_2").exists()  # set aside, not deleted
+  assert checkpoint.latest(tmp_path) == good  # no longer counted as the newest step
   chex.assert_trees_all_equal(fresh.to_tree(), want)
 
 
@@ -127,3 +128,10 @@ def test_a_corrupted_group_is_caught_by_its_checksum(tmp_path):
     checkpoint.restore(fresh, bad)
   path, _, skipped = checkpoint.restore_latest(fresh, tmp_path)
   assert path == good and "checksum" in skipped[0]
+  # With no good checkpoint left, a part-restored state is never trained on.
+  bad_again = tmp_path / ".damaged-step_1"
+  import os as _os
+  _os.replace(good, tmp_path / "step_0_moved")
+  _os.replace(bad_again, tmp_path / "step_1")
+  with pytest.raises(ValueError, match="no checkpoint restores"):
+    checkpoint.restore_latest(fresh, tmp_path)

@@ -219,3 +219,17 @@ def test_placement_words_are_auto_or_counts():
     config.load(CONFIGS / "tiny.yaml", ["engine.device_update_layers=3", "engine.device_state_layers=2"])
   with pytest.raises(ValueError, match="resolve it with mtjax.plan.prepare"):
     store_lib.create(config.load(CONFIGS / "tiny.yaml"), jax.random.key(0))
+
+
+def test_grad_queue_auto_deepens_the_queue_only_where_the_host_optimizer_is_behind():
+  GiB = 2**30
+  limits = dict(host_limit=int(125.8 * GiB), device_limit=int(128.6 * GiB))
+  big = plan.make(config.load(CONFIGS / "qwen2.5_14b.yaml"), **limits)
+  at4 = plan.make(config.load(CONFIGS / "qwen2.5_14b.yaml", ["engine.grad_queue=4"]), **limits)
+  assert big.grad_queue > 4 and big.schedule_s < 0.97 * at4.schedule_s
+  assert big.host["gradients in flight"] > at4.host["gradients in flight"]  # paid in host bytes
+  assert big.resolve(config.load(CONFIGS / "qwen2.5_14b.yaml")).engine.grad_queue == big.grad_queue
+  # Where the host keeps up (batch 32 on the 3.37B shape), no deeper than needed.
+  small = plan.make(config.load(CONFIGS / "llama_3b.yaml", ["engine.grad_queue=auto",
+                                                            "train.batch=32"]), **limits)
+  assert small.grad_queue <= 4

@@ -67,3 +67,10 @@ def test_a_run_leaves_its_folder_and_the_report_renders_from_it(tmp_path):
   assert {"loss.png", "lr.png", "throughput.png", "step_time.png", "memory.png"} <= names
   for p in pngs:
     assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_profile_step_records_a_trace_into_the_run_folder(tmp_path):
+  cfg = config.load(TINY, ["train.steps=3", "train.profile_step=2", f"train.run_dir={tmp_path}"])
+  train.run(cfg, progress=False)
+  traces = [p for p in (tmp_path / "profile").rglob("*") if p.is_file()]
+  assert traces and any(p.name.endswith((".xplane.pb", ".trace.json.gz")) for p in traces), traces
