@@ -106,6 +106,8 @@ class EngineConfig:
   device_state_layers: int | Literal["auto"] = "auto"  # first N layer groups (embedding, block 0, ...) whose weights and optimizer state live in device memory; auto: as few as make host RAM suffice
   device_update_layers: int | Literal["auto"] = 0  # the next N groups are updated on the device, their optimizer state streamed through it; auto: the planner picks
   device_memory_gb: float | None = None  # device memory the run may use (as on a smaller card); None: 92% of the device
+  devices: int | Literal["all"] = "all"  # local devices the step runs on (data-parallel over a Mesh; train.batch splits evenly over them)
+  seq_tile: int | None = None  # tokens per tile of each block's norms and MLP (recomputed per tile in the backward); None: the whole sequence
 
   def __post_init__(self):
     _positive(self, "loss_chunk", "inflight_layers")
@@ -119,6 +121,10 @@ class EngineConfig:
       raise ConfigError(f"engine.device_memory_gb: {self.device_memory_gb} must be > 0")
     if self.micro_batch is not None and self.micro_batch <= 0:
       raise ConfigError(f"engine.micro_batch: {self.micro_batch} must be > 0 or null")
+    if self.seq_tile is not None and self.seq_tile <= 0:
+      raise ConfigError(f"engine.seq_tile: {self.seq_tile} must be > 0 or null")
+    if self.devices != "all" and self.devices <= 0:
+      raise ConfigError(f"engine.devices: {self.devices} must be > 0 or all")
 
 
 @dataclasses.dataclass(frozen=True)
