@@ -84,41 +84,61 @@ class RMSNorm(nn.Module):
     return normed.astype(x.dtype) * scale.astype(x.dtype).reshape((1,) * (x.ndim - 1) + (-1,))
 
 
-def _dense(features, name, bias=False):
+def _dense(features, name=None, bias=False):
   return nn.Dense(features, use_bias=bias, name=name, param_dtype=jnp.float32)
 
 
 class Attention(nn.Module):
+  """Causal GQA attention with RoPE, in per-token (`qkv`, `o`) and sequence (`core`) parts."""
   cfg: ModelConfig
   implementation: str | None = None
 
-  @nn.compact
-  def __call__(self, x_BxTxD, ctx: Ctx | None = None):
+  def setup(self):
+    cfg = self.cfg
+    H, K, hd = cfg.heads, cfg.n_kv_heads, cfg.dim_per_head
+    self.q = _dense(H * hd, bias=cfg.qkv_bias)
+    self.k = _dense(K * hd, bias=cfg.qkv_bias)
+    self.v = _dense(K * hd, bias=cfg.qkv_bias)
+    self.o = _dense(cfg.hidden)
+    if cfg.qk_norm:  # Qwen3: RMSNorm over each head's channels, before RoPE
+      self.q_norm = RMSNorm(cfg.norm_eps)
+      self.k_norm = RMSNorm(cfg.norm_eps)
+
+  def qkv(self, x_BxTxD, positions_BxT):
+    """Queries, keys and values with RoPE applied; each token's from its own input alone."""
     cfg = self.cfg
     B, T, _ = x_BxTxD.shape
-    ctx = Ctx.default(B, T) if ctx is None else ctx
     H, K, hd = cfg.heads, cfg.n_kv_heads, cfg.dim_per_head
-    q = _dense(H * hd, "q", cfg.qkv_bias)(x_BxTxD).reshape(B, T, H, hd)
-    k = _dense(K * hd, "k", cfg.qkv_bias)(x_BxTxD).reshape(B, T, K, hd)
-    v = _dense(K * hd, "v", cfg.qkv_bias)(x_BxTxD).reshape(B, T, K, hd)
-    if cfg.qk_norm:  # Qwen3: RMSNorm over each head's channels, before RoPE
-      q = RMSNorm(cfg.norm_eps, name="q_norm")(q)
-      k = RMSNorm(cfg.norm_eps, name="k_norm")(k)
+    q = self.q(x_BxTxD).reshape(B, T, H, hd)
+    k = self.k(x_BxTxD).reshape(B, T, K, hd)
+    v = self.v(x_BxTxD).reshape(B, T, K, hd)
+    if cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
     inv_freq = rope_inv_freq(cfg)
-    q, k = apply_rope(q, inv_freq, ctx.positions), apply_rope(k, inv_freq, ctx.positions)
+    return apply_rope(q, inv_freq, positions_BxT), apply_rope(k, inv_freq, positions_BxT), v
+
+  def core(self, q_BxTxHxh, k_BxTxKxh, v_BxTxKxh, segments_BxT):
+    """Attention over the sequence: [B, T, H * h], before the output projection."""
+    B, T, H, hd = q_BxTxHxh.shape
     impl = self.implementation
-    if impl == "cudnn" and ctx.segments is not None:
+    if impl == "cudnn" and segments_BxT is not None:
       impl = "blockwise"  # the fused kernel takes no document mask; no [T x T] mask instead
     if impl == "blockwise":
-      out_BxTxHxh = attention.blockwise_attention(q, k, v, segments_q_BxT=ctx.segments,
-                                                  segments_k_BxS=ctx.segments, causal=True)
+      out_BxTxHxh = attention.blockwise_attention(q_BxTxHxh, k_BxTxKxh, v_BxTxKxh,
+                                                  segments_q_BxT=segments_BxT,
+                                                  segments_k_BxS=segments_BxT, causal=True)
     else:
       mask = None
-      if ctx.segments is not None:  # packed documents: no attention across a document boundary
-        mask = (ctx.segments[:, :, None] == ctx.segments[:, None, :])[:, None]
-      out_BxTxHxh = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
-                                                 implementation=impl)
-    return _dense(cfg.hidden, "o")(out_BxTxHxh.reshape(B, T, H * hd))
+      if segments_BxT is not None:  # packed documents: no attention across a document boundary
+        mask = (segments_BxT[:, :, None] == segments_BxT[:, None, :])[:, None]
+      out_BxTxHxh = jax.nn.dot_product_attention(q_BxTxHxh, k_BxTxKxh, v_BxTxKxh, mask=mask,
+                                                 is_causal=True, implementation=impl)
+    return out_BxTxHxh.reshape(B, T, H * hd)
+
+  def __call__(self, x_BxTxD, ctx: Ctx | None = None):
+    B, T, _ = x_BxTxD.shape
+    ctx = Ctx.default(B, T) if ctx is None else ctx
+    return self.o(self.core(*self.qkv(x_BxTxD, ctx.positions), ctx.segments))
 
 
 class MLP(nn.Module):
@@ -132,15 +152,69 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-  """RMSNorm -> causal GQA attention with RoPE -> residual -> RMSNorm -> SwiGLU -> residual."""
+  """RMSNorm -> causal GQA attention with RoPE -> residual -> RMSNorm -> SwiGLU -> residual.
+
+  With `seq_tile`, everything but the attention core (which is blockwise already, or [T x T]
+  anyway) runs `seq_tile` tokens at a time, each tile recomputed in the backward: the input norm
+  and q/k/v projections before it, the output projection, MLP and residuals after it. A layer's
+  working set is then bounded by the tile, not by T x ffn. Same parameters either way.
+  """
   cfg: ModelConfig
   implementation: str | None = None
+  seq_tile: int | None = None
 
-  @nn.compact
+  def setup(self):
+    self.attn_norm = RMSNorm(self.cfg.norm_eps)
+    self.attn = Attention(self.cfg, self.implementation)
+    self.mlp_norm = RMSNorm(self.cfg.norm_eps)
+    self.mlp = MLP(self.cfg)
+
+  def _qkv(self, x_BxTxD, positions_BxT):
+    return self.attn.qkv(self.attn_norm(x_BxTxD), positions_BxT)
+
+  def _out(self, x_BxTxD, a_BxTxE):
+    h_BxTxD = x_BxTxD + self.attn.o(a_BxTxE)
+    return h_BxTxD + self.mlp(self.mlp_norm(h_BxTxD))
+
   def __call__(self, x_BxTxD, ctx: Ctx | None = None):
-    h = x_BxTxD + Attention(self.cfg, self.implementation, name="attn")(
-        RMSNorm(self.cfg.norm_eps, name="attn_norm")(x_BxTxD), ctx)
-    return h + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg.norm_eps, name="mlp_norm")(h))
+    B, T, _ = x_BxTxD.shape
+    ctx = Ctx.default(B, T) if ctx is None else ctx
+    q, k, v = self._per_token(Block._qkv, x_BxTxD, ctx.positions)
+    a_BxTxE = self.attn.core(q, k, v, ctx.segments)
+    return self._per_token(Block._out, x_BxTxD, a_BxTxE)
+
+  def _per_token(self, method, *xs_BxT):
+    """`method(self, *xs_BxT)`, for a method that treats each token alone, `seq_tile` at a time.
+
+    Each tile runs under jax.checkpoint inside lax.map: differentiated, only the tiles' inputs are
+    kept and a tile's intermediates (the MLP's [B, tile, ffn]) are recomputed in its backward, so
+    the working set is bounded by the tile, not by T. The tiles apply this block's own params (the
+    tree is the untiled one), taken into the loop in fp32 so that their gradient sums over the
+    tiles in fp32: bf16 weights get it rounded once, not once per tile (for one fp32 copy of the
+    layer's weights). A T that is no multiple of the tile is padded with copies of its last token:
+    finite wherever the real tokens are, and their outputs are dropped, so they add exact zeros to
+    every gradient.
+    """
+    B, T = xs_BxT[0].shape[:2]
+    tile = self.seq_tile
+    if tile is None or T <= tile or self.is_initializing():  # init: the untiled tree, as is
+      return method(self, *xs_BxT)
+    params = self.variables["params"]
+    dtypes = jax.tree.map(lambda p: p.dtype, params)
+    template = Block(self.cfg, self.implementation, parent=None)  # unbound: a pure function
+
+    @jax.checkpoint
+    def one(params32, xs):
+      params = jax.tree.map(lambda p, dtype: p.astype(dtype), params32, dtypes)
+      return template.apply({"params": params}, *xs, method=method)
+
+    params32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    n = -(-T // tile)
+    pad = lambda a: jnp.pad(a, [(0, 0), (0, n * tile - T)] + [(0, 0)] * (a.ndim - 2), mode="edge")
+    tiles = tuple(jnp.moveaxis(pad(a).reshape(B, n, tile, *a.shape[2:]), 1, 0) for a in xs_BxT)
+    ys = jax.lax.map(lambda xs: one(params32, xs), tiles)
+    return jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1).reshape(B, n * tile, *y.shape[3:])[:, :T],
+                        ys)
 
 
 class Embed(nn.Module):
