@@ -54,14 +54,23 @@ class LayerFns:
 
 
 def _micro(x, n):
-  """[B, ...] -> [n, B/n, ...]"""
-  return x.reshape((n, x.shape[0] // n) + x.shape[1:])
+  """[B, ...] -> [n, B/n, ...], micro-batch k taking rows k, k + n, k + 2n, ...: split over the
+  devices along B, every micro-batch then has its rows on every device."""
+  return jnp.swapaxes(x.reshape((x.shape[0] // n, n) + x.shape[1:]), 0, 1)
+
+
+def _unmicro(x):
+  """The inverse of `_micro`: [n, B/n, ...] -> [B, ...]."""
+  return jnp.swapaxes(x, 0, 1).reshape((-1,) + x.shape[2:])
 
 
 def layer_fns(cfg: ModelConfig, lays: dict[str, Layout], compute_dtype, micro_batch: int | None,
-              loss_chunk: int, attention: str | None = None) -> LayerFns:
+              loss_chunk: int, attention: str | None = None, devices: int = 1,
+              seq_tile: int | None = None) -> LayerFns:
+  """The layer functions; `micro_batch` counts sequences per chunk on each of `devices`,
+  `seq_tile` tokens per tile of a block's per-token work (see model.Block)."""
   cd = compute_dtype
-  block = model.Block(cfg, attention)
+  block = model.Block(cfg, attention, seq_tile)
   head = model.Head(cfg)
   if lays["embed"].paths != (("table",),):
     raise AssertionError("embedding layout must be the table alone")
@@ -79,15 +88,16 @@ def layer_fns(cfg: ModelConfig, lays: dict[str, Layout], compute_dtype, micro_ba
     return block.apply({"params": lays["block"].unflatten(wc)}, x, ctx)
 
   def n_micro(x):
-    return 1 if micro_batch is None else x.shape[0] // micro_batch
+    return 1 if micro_batch is None else x.shape[0] // (micro_batch * devices)
 
   def block_fwd(w, x_BxTxD, ctx):
     wc = w.astype(cd)
     n = n_micro(x_BxTxD)
     if n == 1:
       return apply_block(wc, x_BxTxD, ctx)
-    y = jax.lax.map(lambda xs: apply_block(wc, *xs), (_micro(x_BxTxD, n), ctx.micro(n)))
-    return y.reshape(x_BxTxD.shape)
+    split = lambda a: _micro(a, n)
+    y = jax.lax.map(lambda xs: apply_block(wc, *xs), (split(x_BxTxD), jax.tree.map(split, ctx)))
+    return _unmicro(y)
 
   def block_bwd(w, x_BxTxD, ctx, dy_BxTxD):
     wc = w.astype(cd)
@@ -99,19 +109,24 @@ def layer_fns(cfg: ModelConfig, lays: dict[str, Layout], compute_dtype, micro_ba
       g, dxm = pullback(dym)
       return acc + g.astype(jnp.float32), dxm
 
+    split = lambda a: _micro(a, n)
     g, dx = jax.lax.scan(one, jnp.zeros(w.shape, jnp.float32),
-                         (_micro(x_BxTxD, n), ctx.micro(n), _micro(dy_BxTxD, n)))
-    return dx.reshape(x_BxTxD.shape), g, jnp.sum(g * g)
+                         (split(x_BxTxD), jax.tree.map(split, ctx), split(dy_BxTxD)))
+    return _unmicro(dx), g, jnp.sum(g * g)
 
   def head_step(w_head, w_table, x_BxTxD, targets_BxT, weights_BxT):
-    """Weighted loss sum and gradients, one chunk of `loss_chunk` tokens at a time."""
+    """Weighted loss sum and gradients, one chunk of about `loss_chunk` tokens at a time.
+
+    Chunk k takes tokens k, k + n, k + 2n, ... of the flattened batch (n chunks), so with the batch
+    split over devices every chunk has its tokens on every device."""
     B, T, D = x_BxTxD.shape
     N = B * T
-    C = min(loss_chunk, N)
-    pad = (-N) % C
-    x_NxD = jnp.pad(x_BxTxD.reshape(N, D), ((0, pad), (0, 0)))
-    t_N = jnp.pad(targets_BxT.reshape(N), (0, pad))
-    wt_N = jnp.pad(weights_BxT.reshape(N), (0, pad))  # padding weighs 0
+    n = -(-N // min(loss_chunk, N))  # chunks
+    C = -(-N // n)  # tokens per chunk
+    pad = n * C - N
+    chunked = lambda a: _micro(jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)), n)
+    x_NxD, t_N = x_BxTxD.reshape(N, D), targets_BxT.reshape(N)
+    wt_N = weights_BxT.reshape(N)  # padding weighs 0
 
     def chunk_loss(wh, wt, x_CxD, t_C, wt_C):
       table = None if wt is None else wt.astype(cd).reshape(cfg.vocab_size, D)
@@ -128,10 +143,8 @@ def layer_fns(cfg: ModelConfig, lays: dict[str, Layout], compute_dtype, micro_ba
 
     init = (jnp.zeros(w_head.shape, jnp.float32),
             None if w_table is None else jnp.zeros(w_table.shape, jnp.float32))
-    n = (N + pad) // C
-    (gh, gt), (losses, dx) = jax.lax.scan(
-        one, init, (x_NxD.reshape(n, C, D), t_N.reshape(n, C), wt_N.reshape(n, C)))
-    dx = dx.reshape(N + pad, D)[:N].reshape(B, T, D)
+    (gh, gt), (losses, dx) = jax.lax.scan(one, init, (chunked(x_NxD), chunked(t_N), chunked(wt_N)))
+    dx = _unmicro(dx)[:N].reshape(B, T, D)
     return jnp.sum(losses), dx, gh, gt
 
   return LayerFns(embed_fwd, embed_bwd, block_fwd, block_bwd, head_step)
@@ -293,7 +306,7 @@ class Engine:
     self.attention = attention_impl(e.attention, self.device, e.compute_dtype, cfg.model,
                                     cfg.train.seq)
     fns = layer_fns(cfg.model, store.layouts, DTYPES[e.compute_dtype], e.micro_batch,
-                    e.loss_chunk, self.attention)
+                    e.loss_chunk, self.attention, len(store.devices), e.seq_tile)
     self.fns = fns
 
     def jit(fn, **kw):
@@ -357,6 +370,10 @@ class Engine:
     """Checks the batch and puts it on the device; per-token loss weights are normalised here."""
     B, T = batch.inputs.shape
     V = self.cfg.model.vocab_size
+    n, mb = len(self.store.devices), self.cfg.engine.micro_batch
+    if B % (n * (mb or 1)):
+      raise ValueError(f"batch of {B} sequences: must split evenly over {n} device(s)"
+                       + (f" in micro-batches of {mb}" if mb else ""))
     for name, a in (("inputs", batch.inputs), ("targets", batch.targets)):
       if a.shape != (B, T) or a.min(initial=0) < 0 or a.max(initial=0) >= V:
         raise ValueError(f"batch.{name}: expected shape {(B, T)} with ids in [0, {V}), got shape "
@@ -375,11 +392,11 @@ class Engine:
       weights = (np.asarray(lw, np.float64) / total).astype(np.float32)
     pos = getattr(batch, "positions", None)
     seg = getattr(batch, "segments", None)
-    put = lambda a: jax.device_put(np.asarray(a, np.int32), self.store.on_device)
+    put = lambda a: jax.device_put(np.asarray(a, np.int32), self.store.batch_sharding)
     ctx = model.Ctx(put(np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)) if pos is None else pos),
                     None if seg is None else put(seg))
     return _Inputs(put(batch.inputs), put(batch.targets),
-                   jax.device_put(weights, self.store.on_device), ctx)
+                   jax.device_put(weights, self.store.batch_sharding), ctx)
 
   # ---- the step --------------------------------------------------------------------------------
 
@@ -505,7 +522,8 @@ class Engine:
   def grads(self, batch: Batch) -> tuple[float, list[np.ndarray]]:
     """Loss and every group's fp32 gradient (host copies), streamed like a step; no update."""
     out = {}
-    loss = self.forward_backward(batch, lambda idx, g, s: out.__setitem__(idx, self.store.to_host(g)))
+    loss = self.forward_backward(batch,
+                                 lambda idx, g, s: out.__setitem__(idx, self.store.grad_to_host(g)))
     return float(loss), [np.array(out[i]) for i in range(len(self.store.groups))]
 
   def sync(self):
@@ -517,22 +535,24 @@ class Engine:
     self.store.close()
 
 
-def compiled_memory(cfg: Config, device: jax.Device | None = None) -> dict[str, dict[str, int]]:
+def compiled_memory(cfg: Config, device: jax.Device | None = None, devices: int = 1
+                    ) -> dict[str, dict[str, int]]:
   """Device bytes of each layer executable at the config's shapes, from XLA's own analysis of the
-  compiled code (`.lower().compile().memory_analysis()`): arguments, outputs, temporaries."""
+  compiled code (`.lower().compile().memory_analysis()`): arguments, outputs, temporaries. With
+  the batch split over `devices`, one device's share (its slice of the batch)."""
   device = device or jax.devices()[0]
   e, m, t = cfg.engine, cfg.model, cfg.train
   key = (m, e.compute_dtype, e.micro_batch, e.loss_chunk, e.attention, e.matmul_precision,
-         t.batch, t.seq, device)
+         e.seq_tile, t.batch, t.seq, devices, device)
   if key in _COMPILED_MEMORY:  # placement does not change the layer executables
     return _COMPILED_MEMORY[key]
   lays = layouts(m)
   cd = DTYPES[e.compute_dtype]
   fns = layer_fns(m, lays, cd, e.micro_batch, e.loss_chunk,
-                  attention_impl(e.attention, device, e.compute_dtype, m, t.seq))
+                  attention_impl(e.attention, device, e.compute_dtype, m, t.seq), 1, e.seq_tile)
   sh = jax.sharding.SingleDeviceSharding(device)
   S = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
-  B, T, D = t.batch, t.seq, m.hidden
+  B, T, D = max(1, t.batch // devices), t.seq, m.hidden
   x, tok = S((B, T, D), cd), S((B, T), jnp.int32)
   ctx = model.Ctx(tok)
   w = {k: S((lay.size,), jnp.float32) for k, lay in lays.items()}

@@ -85,6 +85,8 @@ class Plan:
   compiled: bool  # the layer executables' device bytes came from XLA's analysis of the compiled code
   pinned_cap: int | None = None  # the pinned pool's cap when it was fixed before this plan
   grad_queue: int = 4  # host-group gradients queued before the device waits (resolved when auto)
+  devices: int = 1  # data-parallel devices; `device` and `device_limit` are per device
+  device_tier_bytes: int = 0  # the device tier's state, all devices together
 
   @property
   def device_state_layers(self) -> int:
@@ -105,8 +107,7 @@ class Plan:
   @property
   def host_bytes_per_param(self) -> float:
     """Bytes of persistent state per parameter, wherever it lives (host and device tiers)."""
-    state = (self.host["master weights"] + self.host["optimizer state"]
-             + self.device["weights and optimizer state (device tier)"])
+    state = self.host["master weights"] + self.host["optimizer state"] + self.device_tier_bytes
     return state / self.params
 
   @property
@@ -129,7 +130,8 @@ class Plan:
     """`cfg` with this plan's placement written in: everything downstream takes concrete numbers."""
     return dataclasses.replace(cfg, engine=dataclasses.replace(
         cfg.engine, device_state_layers=self.device_state_layers,
-        device_update_layers=self.device_update_layers, grad_queue=self.grad_queue))
+        device_update_layers=self.device_update_layers, grad_queue=self.grad_queue,
+        devices=self.devices))
 
 
 def make(cfg: config_lib.Config, host_limit: int | None = None, device_limit: int | None = None,
@@ -226,10 +228,16 @@ def _place(cfg, build, G, host_limit, device_limit, rates) -> Plan:
   return build(n_state, max(k for k, t in times.items() if t <= shortest * 1.02))
 
 
+def devices_of(cfg: config_lib.Config, available: int | None = None) -> int:
+  """The data-parallel device count: `engine.devices`, or all `available` (default 1)."""
+  return (available or 1) if cfg.engine.devices == "all" else cfg.engine.devices
+
+
 def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, rates: Rates,
           working: dict | None, opt_bytes: dict | None, pinned_cap: int | None,
           grad_queue: int) -> Plan:
   m, e, t, o = cfg.model, cfg.engine, cfg.train, cfg.optim
+  nd = devices_of(cfg)  # resolved by the caller
   pc = param_counts(m)
   P, L = pc["total"], m.layers
   kinds = ["embed"] + ["block"] * L + ["head"]
@@ -244,7 +252,10 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
   largest_stream_opt = max((ob[i] for i in stream_g), default=0)
   largest_dev = max((sizes[i] + ob[i] // 4 for i in dev_g), default=0)
   streamed = [sizes[i] for i in host_g + stream_g]
-  checkpoint = t.batch * t.seq * m.hidden * act  # one block's saved input
+  checkpoint = t.batch * t.seq * m.hidden * act  # one block's saved input (all devices)
+  # Device figures are the busiest device's: the batch splits evenly, device and stream groups
+  # live on home devices round-robin within their tier (mtjax.store.homes), the rest is replicated.
+  busiest = lambda per_group: max(sum(per_group[k::nd]) for k in range(nd)) if per_group else 0
 
   host = {
       "master weights": 4 * sum(streamed),
@@ -266,23 +277,23 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
   host["pinned pool headroom"] = pinned_pool_bytes(pinned) - pinned if rates.accelerator else 0
 
   device = {
-      "weights and optimizer state (device tier)": sum(4 * sizes[i] + ob[i] for i in dev_g),
-      "resident weights (stream tier)": 4 * sum(sizes[i] for i in stream_g),
+      "weights and optimizer state (device tier)": busiest([4 * sizes[i] + ob[i] for i in dev_g]),
+      "resident weights (stream tier)": busiest([4 * sizes[i] for i in stream_g]),
       "optimizer state in flight (stream tier)": 2 * 2 * largest_stream_opt,
       "streamed weights": 4 * top(streamed, e.inflight_layers + 1),
       "gradients": 4 * top(sizes, 2),
-      "saved activations": L * checkpoint if e.activations == "device" else 2 * checkpoint,
+      "saved activations": (L if e.activations == "device" else 2) * checkpoint // nd,
       # clip_mode=host_buffer: stream and device groups' gradients (and stream groups' prefetched
       # state) wait on the device until the global norm is known
       "clip-held gradients": (sum(4 * sizes[i] for i in stream_g + dev_g)
-                              + sum(ob[i] for i in stream_g)
+                              + busiest([ob[i] for i in stream_g])
                               if (o.clip_norm and o.clip_mode == "host_buffer") else 0),
   }
   if working is not None:
     # The largest executable's temporaries and outputs (its arguments are the items above).
     device["layer executables (compiled)"] = max(w["temp"] + w["output"] for w in working.values())
   else:
-    mb = e.micro_batch or t.batch
+    mb = e.micro_batch or max(1, t.batch // nd)
     D, F, V = m.hidden, m.ffn, m.vocab_size
     H = m.heads
     # One block's backward over one micro-batch: its forward re-run under vjp keeps about a dozen
@@ -307,17 +318,17 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
   d2h = 4 * sum(sizes[i] for i in host_g) + sum(ob[i] for i in stream_g) + ckpt_link
   host_updated = sum(sizes[i] for i in host_g)
   step_s = {
-      "compute": hw_flops / (rates.matmul_tflops * 1e12),
+      "compute": hw_flops / (nd * rates.matmul_tflops * 1e12),
       "host->device": h2d / (rates.h2d_gbps * 1e9),
       "device->host": d2h / (rates.d2h_gbps * 1e9),
       "host optimizer": host_updated / (rates.host_adamw_gparams * 1e9),
   }
   block_fwd = (2 * block_matmul * tokens + 4 * t.batch * t.seq**2 * H * hd * causal) / (
-      rates.matmul_tflops * 1e12)
+      nd * rates.matmul_tflops * 1e12)
   layers = [Layer(sizes[0], 0.0, 0.0, 0)]
   layers += [Layer(pc["block"], block_fwd, 3 * block_fwd,
                    checkpoint if e.activations == "host" else 0)] * L
-  layers += [Layer(sizes[-1], 6 * D * V * tokens / (rates.matmul_tflops * 1e12), 0.0, 0)]
+  layers += [Layer(sizes[-1], 6 * D * V * tokens / (nd * rates.matmul_tflops * 1e12), 0.0, 0)]
   if not rates.accelerator:  # the CPU backend's "device" memory is host RAM
     host["device memory (CPU backend: host RAM)"] = sum(device.values())
   fits = ((host_limit is None or sum(host.values()) <= host_limit)
@@ -330,7 +341,8 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
   else:
     sched = sched_best = math.inf
   return Plan(P, tuple(tiers), host, device, pinned, step_s, host_limit, device_limit, sched,
-              min(sched, sched_best), working is not None, pinned_cap, grad_queue)
+              min(sched, sched_best), working is not None, pinned_cap, grad_queue, nd,
+              sum(4 * sizes[i] + ob[i] for i in dev_g))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -475,27 +487,50 @@ def prepare(cfg: config_lib.Config, host_limit: int | None = None
   fresh = not backend_started()
   pinned_cap = None
   if fresh:
-    total = probe_device_memory()
+    total, count = probe_device_memory(), probe_device_count()
+    first_cfg = _with_devices(cfg, devices_of(cfg, count))
     limit = None
     if total is not None:
       want = cfg.engine.device_memory_gb
       frac = min(want * GiB / total, 1.0) if want else DEVICE_MEMORY_FRACTION
       os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{frac:.4f}")
       limit = int(total * float(os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"]))
-    first = make(cfg, host_limit, limit, Rates(accelerator=total is not None))
+    first = make(first_cfg, host_limit, limit, Rates(accelerator=total is not None))
     configure_pinned_pool(first)
-  device = jax.devices()[0]
+  device = jax.local_devices()[0]
   accel = device.platform != "cpu"
+  n = devices_of(cfg, len(jax.local_devices()))
+  if n > len(jax.local_devices()):
+    raise PlanError(f"engine.devices: {n} requested, this process sees {len(jax.local_devices())}")
+  if cfg.train.batch % n:
+    raise PlanError(f"train.batch: {cfg.train.batch} sequences do not split evenly over {n} devices")
+  cfg = _with_devices(cfg, n)
   if accel:
     pinned_cap = int(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64")) * GiB
   from mtjax import engine as engine_lib, optimizer as opt_lib, state as state_lib  # noqa: PLC0415
-  working = engine_lib.compiled_memory(cfg, device)
+  working = engine_lib.compiled_memory(cfg, device, n)
   rule = opt_lib.UpdateRule(cfg.optim, cfg.decay_steps)
   opt_bytes = {k: rule.state_bytes(lay) for k, lay in state_lib.layouts(cfg.model).items()}
   plan = make(cfg, host_limit, device_memory_limit(device), Rates(accelerator=accel), working,
               opt_bytes, pinned_cap)
   check(plan)
   return plan.resolve(cfg), plan
+
+
+def _with_devices(cfg: config_lib.Config, n: int) -> config_lib.Config:
+  return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, devices=n))
+
+
+def probe_device_count() -> int | None:
+  """How many GPUs nvidia-smi lists (without starting the jax backend), or None."""
+  if os.environ.get("JAX_PLATFORMS", "").strip() == "cpu":
+    return None
+  try:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=20)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return len(out.stdout.split()) if out.returncode == 0 and out.stdout.strip() else None
 
 
 def configure_pinned_pool(plan: Plan) -> None:
@@ -539,7 +574,8 @@ def format_plan(plan: Plan) -> str:
            f"host memory: {plan.host_total / GiB:.2f} GiB of {lim(plan.host_limit)} "
            f"({'fits' if plan.fits_host else 'DOES NOT FIT'}); pinned {plan.pinned / GiB:.2f} GiB"]
   lines += [f"  {k:<34}{v / GiB:>9.2f} GiB" for k, v in plan.host.items() if v]
-  lines += [f"device memory: {plan.device_total / GiB:.2f} GiB of {lim(plan.device_limit)} "
+  each = f" per device, {plan.devices} devices" if plan.devices > 1 else ""
+  lines += [f"device memory{each}: {plan.device_total / GiB:.2f} GiB of {lim(plan.device_limit)} "
             f"({'fits' if plan.fits_device else 'DOES NOT FIT'})"]
   lines += [f"  {k:<34}{v / GiB:>9.2f} GiB" for k, v in plan.device.items() if v]
   lines += [f"predicted step >= {plan.predicted_step_s:.3f} s (roofline: "

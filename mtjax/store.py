@@ -13,8 +13,15 @@ optax optimizer: its state pytree). Each group sits in one tier, chosen per grou
 
 Groups are ordered as the forward pass runs them, and the planner puts device and stream tiers on
 the first groups: the backward reaches them last, so their updates cannot delay the next forward,
-which needs them first. Placement is written as `NamedSharding`s over a `Mesh` (one device is a mesh
-of one), so several devices change this file, not the step.
+which needs them first.
+
+Placement is written as `NamedSharding`s over a `Mesh` with one axis, "data". With several devices
+the step is data-parallel: the batch is split over the axis, each group's weights go from their one
+host copy to every device (replicated), and XLA's collectives sum the weight gradients on the
+devices. Each group also has a home device, round-robin within its tier: host and stream groups'
+pinned buffers belong to it (their copies spread over the devices' links), stream and device groups
+are updated there, and device groups' state lives there alone, so device-tier capacity grows with
+the device count while host memory keeps one copy of the state however many devices there are.
 
 The store does: `fetch` (weights to the compute device), `prefetch` (a stream group's optimizer
 state), `commit` (a gradient becomes an update, on the host or the device), `sync` (every update
@@ -66,13 +73,14 @@ def placement(cfg: Config) -> list[Tier]:
 @dataclasses.dataclass
 class Group:
   """One layer group's state. `w` and the leaves of `opt` are jax arrays in the memory of the
-  group's tier (pinned host or device), or numpy arrays in plain host memory."""
+  group's tier (pinned host or device) on its `home` device, or numpy arrays in plain host memory."""
   name: str
   kind: str
   layout: Layout
   tier: Tier
   w: object
   opt: dict
+  home: jax.Device | None = None
 
   @property
   def size(self) -> int:
@@ -88,10 +96,14 @@ class LayerStore:
     self.layouts = layouts(cfg.model)
     self.groups = groups
     self.mesh = mesh
+    self.devices = list(mesh.devices.flat)
     self.step = 0  # optimizer updates applied so far
-    self.on_device = NamedSharding(mesh, PartitionSpec(), memory_kind="device")
-    kind = host_memory_kind(mesh.devices.flat[0])
-    self.on_host = NamedSharding(mesh, PartitionSpec(), memory_kind=kind) if kind else None
+    self._shardings: dict[tuple[int, str], NamedSharding] = {}
+    self.on_device = NamedSharding(mesh, PartitionSpec(), memory_kind="device")  # every device
+    self.batch_sharding = NamedSharding(mesh, PartitionSpec("data"))  # [B, ...] split over devices
+    self.host_kind = host_memory_kind(self.devices[0])
+    # One host copy, in the first device's pinned memory (gradients for the caller, checkpoints).
+    self.on_host = self.pinned(self.devices[0])
     self.rule = rule
     self.host_opt = opt_lib.HostOptimizer(cfg.optim, self.rule)
     self.wait_s = 0.0  # host seconds spent waiting for the host optimizer (reset by the engine)
@@ -135,29 +147,64 @@ class LayerStore:
           out["pinned" if a.sharding.memory_kind == "pinned_host" else "device"] += a.nbytes
     return out
 
+  # ---- placement -------------------------------------------------------------------------------
+
+  def on(self, device: jax.Device, kind: str = "device") -> NamedSharding:
+    """One device's memory of `kind` (device, pinned_host) as a sharding over a mesh of one."""
+    key = (device.id, kind)
+    if key not in self._shardings:
+      self._shardings[key] = NamedSharding(Mesh(np.array([device]), ("data",)), PartitionSpec(),
+                                           memory_kind=kind)
+    return self._shardings[key]
+
+  def pinned(self, device: jax.Device) -> NamedSharding | None:
+    """That device's pinned host memory, or None where the backend has none."""
+    return self.on(device, self.host_kind) if self.host_kind else None
+
+  def _local(self, x: jax.Array, device: jax.Device) -> jax.Array:
+    """The copy of a replicated device array that lives on `device` (no transfer)."""
+    if len(self.devices) == 1:
+      return x
+    return next(s.data for s in x.addressable_shards if s.device == device)
+
+  def _everywhere(self, x: jax.Array) -> jax.Array:
+    """x (on one device or in pinned host memory) replicated on every device of the mesh."""
+    if len(self.devices) == 1 and x.sharding.memory_kind == "device":
+      return x
+    return jax.device_put(x, self.on_device)
+
   # ---- movement --------------------------------------------------------------------------------
 
   def fetch(self, i: int) -> jax.Array:
-    """Group i's current fp32 weights on the compute device (the copy is asynchronous)."""
+    """Group i's current fp32 weights on every device (the copies are asynchronous)."""
     g = self.groups[i]
     if g.tier == "device":
-      return g.w
+      return self._everywhere(g.w)
     if i in self._resident:
-      return self._resident[i]
+      return self._everywhere(self._resident[i])
     t = time.perf_counter()
     self.host_opt.wait(i)  # a host group is copied only after its last update finished
     self.wait_s += time.perf_counter() - t
     return jax.device_put(g.w, self.on_device)
 
   def prefetch(self, i: int):
-    """Starts copying a stream group's optimizer state to the device, ahead of its update."""
+    """Starts copying a stream group's optimizer state to its home device, ahead of its update."""
     g = self.groups[i]
     if g.tier == "stream" and i not in self._moments:
-      self._moments[i] = jax.device_put(g.opt, self.on_device)
+      self._moments[i] = jax.device_put(g.opt, self.on(g.home))
 
   def to_host(self, x):
-    """A device array's copy into pinned host memory (asynchronous), or x without pinned memory."""
-    return x if self.on_host is None else jax.device_put(x, self.on_host)
+    """A device array's copy into pinned host memory, laid out as on the devices (a batch-split
+    activation stays split; asynchronous), or x without pinned memory."""
+    if self.host_kind is None:
+      return x
+    return jax.tree.map(lambda a: jax.device_put(a, a.sharding.with_memory_kind(self.host_kind)), x)
+
+  def grad_to_host(self, grad: jax.Array, device: jax.Device | None = None):
+    """One host copy of a (replicated) device gradient, taken from `device` (default the first)."""
+    device = device or self.devices[0]
+    local = self._local(grad, device)
+    return local if self.host_kind is None else jax.device_put(local, self.pinned(device))
 
   def commit(self, i: int, grad: jax.Array, scale: float = 1.0, w: jax.Array | None = None,
              max_queued: int = 4, ok=True):
@@ -173,21 +220,23 @@ class LayerStore:
     """
     g = self.groups[i]
     if g.tier == "host":
-      g_host = self.to_host(grad)
+      g_host = self.grad_to_host(grad, g.home)
       self.host_opt.submit(i, g, g_host, self.step, scale, self._host_view, ok)
       t = time.perf_counter()
       while self.host_opt.queued() > max_queued:
         self.host_opt.wait_oldest()
       self.wait_s += time.perf_counter() - t
       return g_host
-    w = self.fetch(i) if w is None else w
-    if g.tier == "stream":
+    # The update runs on the group's home device, on its copies of the weights and the gradient.
+    if g.tier == "device":
+      w, opt = g.w, g.opt
+    else:
+      w = self._local(self.fetch(i) if w is None else w, g.home)
       self.prefetch(i)
       opt = self._moments.pop(i)
-    else:
-      opt = g.opt
-    w, opt = self._device_update(w, opt, grad, self.rule.scalars(self.step), np.float32(scale),
-                                 g.layout, jnp.asarray(ok, bool))
+    ok = jax.device_put(jnp.asarray(ok, bool), self.on(g.home))
+    w, opt = self._device_update(w, opt, self._local(grad, g.home), self.rule.scalars(self.step),
+                                 np.float32(scale), g.layout, ok)
     if g.tier == "device":
       g.w, g.opt = w, opt
       return None
@@ -217,7 +266,7 @@ class LayerStore:
     self.host_opt.wait_all()
     for i, w in sorted(self._resident.items()):
       g = self.groups[i]
-      g.w = self.to_host(w)
+      g.w = self.to_host(w)  # into the home device's pinned memory
       self._drop_views(i)
     self._resident.clear()
     jax.block_until_ready([(g.w, g.opt) for g in self.groups if not isinstance(g.w, np.ndarray)])
@@ -271,9 +320,9 @@ class LayerStore:
     self._moments.pop(i, None)
     if g.tier == "device":  # copies: on the CPU backend device_put may alias a numpy buffer
       if w is not None:
-        g.w = jax.device_put(np.array(w, np.float32), self.on_device)
+        g.w = jax.device_put(np.array(w, np.float32), self.on(g.home))
       if opt is not None:
-        g.opt = jax.device_put(jax.tree.map(np.array, opt), self.on_device)
+        g.opt = jax.device_put(jax.tree.map(np.array, opt), self.on(g.home))
       return
     if w is not None:
       np.copyto(self._host_view(i, "w"), w)
@@ -294,7 +343,7 @@ class LayerStore:
     if g.tier == "device":
       out = np.empty(g.size, np.float32)
       fill_fn(out)
-      g.w = jax.device_put(out, self.on_device)
+      g.w = jax.device_put(out, self.on(g.home))
       return
     fill_fn(self._host_view(i, "w"))
 
@@ -339,6 +388,26 @@ def single_device_mesh(device: jax.Device | None = None) -> Mesh:
   return Mesh(np.array([device or jax.devices()[0]]), ("data",))
 
 
+def device_mesh(cfg: Config) -> Mesh:
+  """The data-parallel mesh of `engine.devices` local devices (all of them by default)."""
+  local = jax.local_devices()
+  n = len(local) if cfg.engine.devices == "all" else cfg.engine.devices
+  if n > len(local):
+    raise ValueError(f"engine.devices: {n} requested, this process sees {len(local)}")
+  return Mesh(np.array(local[:n]), ("data",))
+
+
+def homes(tiers: Sequence[Tier], devices: Sequence[jax.Device]) -> list[jax.Device]:
+  """Each group's home device: round-robin over the devices within each tier, so every device
+  holds an even share of the device tier's state and of the copies and updates."""
+  seen = {t: 0 for t in TIERS}
+  out = []
+  for t in tiers:
+    out.append(devices[seen[t] % len(devices)])
+    seen[t] += 1
+  return out
+
+
 def create(cfg: Config, key: jax.Array, tiers: Sequence[Tier] | None = None,
            mesh: Mesh | None = None, tx=None) -> LayerStore:
   """Allocates and initialises the state one group at a time, each straight into its tier (no
@@ -348,36 +417,33 @@ def create(cfg: Config, key: jax.Array, tiers: Sequence[Tier] | None = None,
     cfg: a resolved config (`mtjax.plan.prepare`); its placement is used unless `tiers` is given.
     key: seeds the initial weights; a tensor's values depend only on (key, group, parameter name).
     tiers: one tier per group, overriding the config's placement.
-    mesh: the devices the state is placed over (default: the first device, as a mesh of one).
+    mesh: the devices the state is placed over (default: `engine.devices` local devices).
     tx: an optax GradientTransformation to use instead of the config's optimizer.
   """
-  mesh = mesh or single_device_mesh()
-  device = mesh.devices.flat[0]
+  mesh = mesh or device_mesh(cfg)
   tiers = list(tiers) if tiers is not None else placement(cfg)
   names = group_names(cfg.model)
   if len(tiers) != len(names):
     raise ValueError(f"placement has {len(tiers)} tiers, the model has {len(names)} groups")
   lays = layouts(cfg.model)
   rule = opt_lib.UpdateRule(cfg.optim, cfg.decay_steps, tx)
-  kind = host_memory_kind(device)
-  pinned = NamedSharding(mesh, PartitionSpec(), memory_kind=kind) if kind else None
-  on_device = NamedSharding(mesh, PartitionSpec(), memory_kind="device")
+  store = LayerStore(cfg, [], mesh, rule)
   seed = np.asarray(jax.random.key_data(key)).ravel().astype(np.uint32).tolist()
-  groups = []
-  for (name, kind_), tier in zip(names, tiers):
+  for (name, kind_), tier, home in zip(names, tiers, homes(tiers, store.devices)):
     lay = lays[kind_]
     w = np.empty(lay.size, np.float32)
     init_params(cfg.model, lay, name, seed, w)
     opt = rule.init_host(lay)
+    pinned = store.pinned(home)
     if tier == "device":
-      w, opt = jax.device_put((w, opt), on_device)
+      w, opt = jax.device_put((w, opt), store.on(home))
     elif pinned is not None:
       w = jax.device_put(w, pinned)
       if tier == "stream":
         opt = jax.device_put(opt, pinned)
     jax.block_until_ready((w, opt))  # the numpy source may be freed now
-    groups.append(Group(name, kind_, lay, tier, w, opt))
-  return LayerStore(cfg, groups, mesh, rule)
+    store.groups.append(Group(name, kind_, lay, tier, w, opt, home))
+  return store
 
 
 _INIT_CHUNK = 1 << 22
