@@ -461,6 +461,7 @@ def main(argv=None):
           loss=r["loss"], device_update_layers=c.engine.device_update_layers,
           device_state_layers=c.engine.device_state_layers,
           device_memory_gb=c.engine.device_memory_gb, optim_threads=c.optim.threads,
+          devices=c.engine.devices,
           cpu_by_thread=r["cpu"], own_roofline_s=own_roofline))
     elif system == "jax-all-gpu":
       try:
@@ -473,19 +474,27 @@ def main(argv=None):
       records.append(record(system, roofline_s, **{f"roofline_{k}_s": v for k, v in roof.items()}))
     print(f"  {records[-1]['system'] if records else system}: done", flush=True)
 
+  # Scaling efficiency of a run on N devices: tokens/s on N / (N x tokens/s of one device), the
+  # one-device figure from the first mtjax row that ran on one device with the same batch.
+  one = next((r for r in records if r.get("devices") == 1), None)
+  for r in records:
+    if one is not None and r.get("devices"):
+      r["scaling_efficiency"] = r["tokens_per_s"] / (r["devices"] * one["tokens_per_s"])
   print()
-  hdr = (f"{'system':<20}{'step s':>9}{'tokens/s':>11}{'model TF':>10}{'hw TF':>8}{'GPU idle':>10}"
-         f"{'dev GiB':>9}{'opt Gp/s':>10}{'own roof':>10}")
+  hdr = (f"{'system':<20}{'devs':>5}{'step s':>9}{'tokens/s':>11}{'model TF':>10}{'hw TF':>8}"
+         f"{'GPU idle':>10}{'dev GiB':>9}{'opt Gp/s':>10}{'own roof':>10}{'scaling':>9}")
   print(hdr)
   for r in records:
     idle = r.get("gpu_idle_frac")
     peak = r.get("device_peak_gib")
     opt = r.get("achieved_opt_gparams_per_s")
     own = r.get("own_roofline_s")
-    print(f"{r['system']:<20}{r['step_s']:>9.3f}{r['tokens_per_s']:>11,.0f}{r['model_tflops']:>10.1f}"
+    eff = r.get("scaling_efficiency")
+    print(f"{r['system']:<20}{r.get('devices') or '':>5}{r['step_s']:>9.3f}"
+          f"{r['tokens_per_s']:>11,.0f}{r['model_tflops']:>10.1f}"
           f"{r['hw_tflops']:>8.1f}{'' if idle is None else f'{idle:.1%}':>10}"
           f"{'' if peak is None else f'{peak:.1f}':>9}{'' if not opt else f'{opt:.2f}':>10}"
-          f"{'' if own is None else f'{own:.3f}':>10}")
+          f"{'' if own is None else f'{own:.3f}':>10}{'' if eff is None else f'{eff:.0%}':>9}")
   print("roofline terms (s): " + ", ".join(f"{k} {v:.3f}" for k, v in roof.items()))
 
   if args.out:
