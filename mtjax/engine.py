@@ -246,8 +246,10 @@ class _HostBuffer(_NoClip):
 
     def take(idx, g, sq, w):
       self.sq[idx] = sq
+      if not store.owns(idx):  # its owner process holds and applies it
+        return
       if store.groups[idx].tier == "host":  # the gradient waits in pinned host memory, w unneeded
-        self.held[idx] = (store.to_host(g), None)
+        self.held[idx] = (store.grad_to_host(g, store.groups[idx].home), None)
       else:  # held on the device until the norm is known (the planner counts it)
         self.held[idx] = (g, w)
     return take
@@ -392,11 +394,16 @@ class Engine:
       weights = (np.asarray(lw, np.float64) / total).astype(np.float32)
     pos = getattr(batch, "positions", None)
     seg = getattr(batch, "segments", None)
-    put = lambda a: jax.device_put(np.asarray(a, np.int32), self.store.batch_sharding)
+    put = lambda a: self._split(np.asarray(a, np.int32))
     ctx = model.Ctx(put(np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)) if pos is None else pos),
                     None if seg is None else put(seg))
     return _Inputs(put(batch.inputs), put(batch.targets),
-                   jax.device_put(weights, self.store.batch_sharding), ctx)
+                   self._split(weights), ctx)
+
+  def _split(self, a: np.ndarray) -> jax.Array:
+    """A host array of the global batch split over the devices' `data` axis: each process puts
+    only its own devices' rows (every process holds the same global batch)."""
+    return jax.make_array_from_callback(a.shape, self.store.batch_sharding, lambda idx: a[idx])
 
   # ---- the step --------------------------------------------------------------------------------
 
@@ -540,7 +547,7 @@ def compiled_memory(cfg: Config, device: jax.Device | None = None, devices: int 
   """Device bytes of each layer executable at the config's shapes, from XLA's own analysis of the
   compiled code (`.lower().compile().memory_analysis()`): arguments, outputs, temporaries. With
   the batch split over `devices`, one device's share (its slice of the batch)."""
-  device = device or jax.devices()[0]
+  device = device or jax.local_devices()[0]
   e, m, t = cfg.engine, cfg.model, cfg.train
   key = (m, e.compute_dtype, e.micro_batch, e.loss_chunk, e.attention, e.matmul_precision,
          e.seq_tile, t.batch, t.seq, devices, device)

@@ -115,7 +115,7 @@ class UpdateRule:
     self.schedule = schedule(cfg, decay_steps)
     self.fused = tx is None and cfg.name == "adamw" and cfg.impl == "fused"
     self.tx = tx if tx is not None else make_tx(cfg, self.schedule)
-    self._cpu = jax.devices("cpu")[0]
+    self._cpu = jax.local_devices(backend="cpu")[0]
     self._scalars: dict[int, dict] = {}  # the last two steps' (the host worker may lag a step)
     self._lock = threading.Lock()  # the main thread (device updates) and the worker share them
     self._cpu_update = jax.jit(self._optax_update, static_argnums=(3,), donate_argnums=(1,))

@@ -97,13 +97,19 @@ class LayerStore:
     self.groups = groups
     self.mesh = mesh
     self.devices = list(mesh.devices.flat)
+    self.local_devices = [d for d in self.devices if d.process_index == jax.process_index()]
+    # Several processes (hosts): each group's state lives in its home device's process alone.
+    self.multiprocess = any(d.process_index != jax.process_index() for d in self.devices)
     self.step = 0  # optimizer updates applied so far
     self._shardings: dict[tuple[int, str], NamedSharding] = {}
     self.on_device = NamedSharding(mesh, PartitionSpec(), memory_kind="device")  # every device
     self.batch_sharding = NamedSharding(mesh, PartitionSpec("data"))  # [B, ...] split over devices
-    self.host_kind = host_memory_kind(self.devices[0])
+    self.host_kind = host_memory_kind(self.local_devices[0])
     # One host copy, in the first device's pinned memory (gradients for the caller, checkpoints).
-    self.on_host = self.pinned(self.devices[0])
+    self.on_host = self.pinned(self.local_devices[0])
+    self._rows = NamedSharding(mesh, PartitionSpec("data"))
+    self._sum_rows = jax.jit(lambda a: a.sum(0), out_shardings=self.on_device)
+    self._zeros: dict[tuple[int, int], jax.Array] = {}
     self.rule = rule
     self.host_opt = opt_lib.HostOptimizer(cfg.optim, self.rule)
     self.wait_s = 0.0  # host seconds spent waiting for the host optimizer (reset by the engine)
@@ -140,7 +146,7 @@ class LayerStore:
     {'host': plain host, 'pinned': pinned host, 'device': HBM}."""
     out = {"host": 0, "pinned": 0, "device": 0}
     for g in self.groups:
-      for a in [g.w, *jax.tree.leaves(g.opt)]:
+      for a in [g.w, *jax.tree.leaves(g.opt)] if self.owns(g) else []:
         if isinstance(a, np.ndarray):
           out["host"] += a.nbytes
         else:
@@ -167,30 +173,51 @@ class LayerStore:
       return x
     return next(s.data for s in x.addressable_shards if s.device == device)
 
-  def _everywhere(self, x: jax.Array) -> jax.Array:
-    """x (on one device or in pinned host memory) replicated on every device of the mesh."""
-    if len(self.devices) == 1 and x.sharding.memory_kind == "device":
-      return x
-    return jax.device_put(x, self.on_device)
+  def owns(self, g: Group | int) -> bool:
+    """Whether this process holds (and updates) the group's state: always, in one process."""
+    g = self.groups[g] if isinstance(g, int) else g
+    return g.home.process_index == jax.process_index()
+
+  def _everywhere(self, g: Group, x: jax.Array | None) -> jax.Array:
+    """Group g's weights x (on its home device or in pinned host memory) replicated on every
+    device of the mesh. With several processes only the owner has x: the other devices join with
+    zeros and XLA's all-reduce sums the rows (exact: x + 0 = x)."""
+    if not self.multiprocess:
+      if len(self.devices) == 1 and x.sharding.memory_kind == "device":
+        return x
+      return jax.device_put(x, self.on_device)
+    rows = []
+    for d in self.local_devices:
+      if d == g.home:
+        rows.append(jax.device_put(x, self.on(d))[None])
+      else:
+        key = (d.id, g.size)
+        if key not in self._zeros:
+          self._zeros[key] = jax.device_put(np.zeros((1, g.size), np.float32), self.on(d))
+        rows.append(self._zeros[key])
+    stacked = jax.make_array_from_single_device_arrays((len(self.devices), g.size), self._rows, rows)
+    return self._sum_rows(stacked)
 
   # ---- movement --------------------------------------------------------------------------------
 
   def fetch(self, i: int) -> jax.Array:
     """Group i's current fp32 weights on every device (the copies are asynchronous)."""
     g = self.groups[i]
+    if not self.owns(g):
+      return self._everywhere(g, None)
     if g.tier == "device":
-      return self._everywhere(g.w)
+      return self._everywhere(g, g.w)
     if i in self._resident:
-      return self._everywhere(self._resident[i])
+      return self._everywhere(g, self._resident[i])
     t = time.perf_counter()
     self.host_opt.wait(i)  # a host group is copied only after its last update finished
     self.wait_s += time.perf_counter() - t
-    return jax.device_put(g.w, self.on_device)
+    return self._everywhere(g, g.w)
 
   def prefetch(self, i: int):
     """Starts copying a stream group's optimizer state to its home device, ahead of its update."""
     g = self.groups[i]
-    if g.tier == "stream" and i not in self._moments:
+    if g.tier == "stream" and i not in self._moments and self.owns(g):
       self._moments[i] = jax.device_put(g.opt, self.on(g.home))
 
   def to_host(self, x):
@@ -201,8 +228,9 @@ class LayerStore:
     return jax.tree.map(lambda a: jax.device_put(a, a.sharding.with_memory_kind(self.host_kind)), x)
 
   def grad_to_host(self, grad: jax.Array, device: jax.Device | None = None):
-    """One host copy of a (replicated) device gradient, taken from `device` (default the first)."""
-    device = device or self.devices[0]
+    """One host copy of a (replicated) device gradient, taken from `device` (default this
+    process's first)."""
+    device = device or self.local_devices[0]
     local = self._local(grad, device)
     return local if self.host_kind is None else jax.device_put(local, self.pinned(device))
 
@@ -219,6 +247,8 @@ class LayerStore:
         the device update itself, or by the host optimizer's thread, never by the caller.
     """
     g = self.groups[i]
+    if not self.owns(g):
+      return None  # its owner process applies it
     if g.tier == "host":
       g_host = self.grad_to_host(grad, g.home)
       self.host_opt.submit(i, g, g_host, self.step, scale, self._host_view, ok)
@@ -269,7 +299,8 @@ class LayerStore:
       g.w = self.to_host(w)  # into the home device's pinned memory
       self._drop_views(i)
     self._resident.clear()
-    jax.block_until_ready([(g.w, g.opt) for g in self.groups if not isinstance(g.w, np.ndarray)])
+    jax.block_until_ready([(g.w, g.opt) for g in self.groups
+                           if self.owns(g) and not isinstance(g.w, np.ndarray)])
 
   def close(self):
     self.sync()
@@ -290,6 +321,13 @@ class LayerStore:
         self._views[key] = view
     return view
 
+  def _owned(self, i: int) -> Group:
+    g = self.groups[i]
+    if not self.owns(g):
+      raise ValueError(f"{g.name}: its state lives in process {g.home.process_index}, "
+                       f"not this one ({jax.process_index()})")
+    return g
+
   def _drop_views(self, i: int):
     with self._views_lock:
       for key in [k for k in self._views if k[0] == i]:
@@ -297,7 +335,7 @@ class LayerStore:
 
   def read(self, i: int) -> dict:
     """Numpy copies of group i's state, {'w': ..., 'opt': {...}}; call `sync()` first."""
-    g = self.groups[i]
+    g = self._owned(i)
     if g.tier == "device":  # through pinned memory: the fast path off the device
       w, opt = jax.device_get(self.to_host((g.w, g.opt)))
       return {"w": np.array(w), "opt": jax.tree.map(np.array, opt)}
@@ -307,7 +345,7 @@ class LayerStore:
   def write(self, i: int, w: np.ndarray | None = None, opt: dict | None = None):
     """Overwrites group i's weights and/or optimizer state wherever the group lives; any device
     copy of the old weights is dropped. Shapes are checked before anything is written."""
-    g = self.groups[i]
+    g = self._owned(i)
     if w is not None and np.shape(w) != (g.size,):
       raise ValueError(f"{g.name}: weights of shape {np.shape(w)}, expected ({g.size},)")
     if opt is not None:
@@ -337,7 +375,7 @@ class LayerStore:
     """Overwrites group i's weights by `fill_fn(out)`, which writes the flat fp32 vector `out` in
     place: straight into the group's host buffer where it has one (no temporary), else into one
     group-sized temporary that then moves to the device."""
-    g = self.groups[i]
+    g = self._owned(i)
     self.host_opt.wait(i)
     self._resident.pop(i, None)
     if g.tier == "device":
@@ -385,21 +423,30 @@ def _place_like(tree, like):
 
 
 def single_device_mesh(device: jax.Device | None = None) -> Mesh:
-  return Mesh(np.array([device or jax.devices()[0]]), ("data",))
+  return Mesh(np.array([device or jax.local_devices()[0]]), ("data",))
 
 
 def device_mesh(cfg: Config) -> Mesh:
-  """The data-parallel mesh of `engine.devices` local devices (all of them by default)."""
+  """The data-parallel mesh of `engine.devices` local devices (all of them by default) of every
+  process (`jax.distributed.initialize`: several hosts), in process order."""
   local = jax.local_devices()
   n = len(local) if cfg.engine.devices == "all" else cfg.engine.devices
   if n > len(local):
     raise ValueError(f"engine.devices: {n} requested, this process sees {len(local)}")
-  return Mesh(np.array(local[:n]), ("data",))
+  by_process = {}
+  for d in jax.devices():
+    by_process.setdefault(d.process_index, []).append(d)
+  return Mesh(np.array([d for p in sorted(by_process) for d in by_process[p][:n]]), ("data",))
 
 
 def homes(tiers: Sequence[Tier], devices: Sequence[jax.Device]) -> list[jax.Device]:
   """Each group's home device: round-robin over the devices within each tier, so every device
   holds an even share of the device tier's state and of the copies and updates."""
+  # Interleaved across processes (hosts) first: consecutive groups land on different hosts.
+  rank = {}
+  for d in devices:
+    rank[d] = (sum(e.process_index == d.process_index for e in rank), d.process_index)
+  devices = sorted(devices, key=rank.get)
   seen = {t: 0 for t in TIERS}
   out = []
   for t in tiers:
@@ -431,6 +478,9 @@ def create(cfg: Config, key: jax.Array, tiers: Sequence[Tier] | None = None,
   seed = np.asarray(jax.random.key_data(key)).ravel().astype(np.uint32).tolist()
   for (name, kind_), tier, home in zip(names, tiers, homes(tiers, store.devices)):
     lay = lays[kind_]
+    if home.process_index != jax.process_index():  # another host holds this group
+      store.groups.append(Group(name, kind_, lay, tier, None, None, home))
+      continue
     w = np.empty(lay.size, np.float32)
     init_params(cfg.model, lay, name, seed, w)
     opt = rule.init_host(lay)

@@ -143,7 +143,7 @@ def _run(cfg: config_lib.Config, progress: bool, on_plan, json_path: str | None,
   src = data.source(cfg.data, tc.batch, tc.seq, cfg.model.vocab_size, tc.seed)  # checks the files
   if cfg.model.from_hf:
     hf.Checkpoint(cfg.model.from_hf).check(cfg.model, state_lib.layouts(cfg.model))
-  device = jax.devices()[0]
+  device = jax.local_devices()[0]
   init_key = jax.random.key(tc.seed)  # the only key: data is seeded from train.seed by step
   t0 = time.perf_counter()
   store = store_lib.create(cfg, init_key)

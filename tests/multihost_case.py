@@ -1,0 +1,62 @@
+"""One process of a two-host run on the CPU, started twice by tests/test_devices.py:
+
+  python tests/multihost_case.py PROCESS_ID PORT
+
+Two processes with two simulated CPU devices each, joined by `jax.distributed.initialize` (gloo
+collectives): a mesh of 4 devices over 2 hosts. Each process holds only its groups' state and
+updates it; the weights of every group reach every device from their owner. Gradients and three
+clipped AdamW steps are held to the plain reference (jax.grad + optax) in each process; each checks
+the groups it owns. Prints "ok" and exits 0 when all agree.
+"""
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+pid, port = int(sys.argv[1]), sys.argv[2]
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax  # noqa: E402
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=pid)
+sys.path.insert(0, str(Path(__file__).parent))
+
+import chex  # noqa: E402
+import numpy as np  # noqa: E402
+
+import reference as ref  # noqa: E402
+from mtjax import engine, store as store_lib  # noqa: E402
+from test_engine import batch_for, make_cfg, ref_loss_and_grads, reference_training  # noqa: E402
+
+cfg = make_cfg({"layers": 4}, dict(devices=2, device_state_layers=2, device_update_layers=1),
+               optim=dict(clip_norm=0.05), train=dict(batch=4))
+st = store_lib.create(cfg, jax.random.key(0))
+assert st.multiprocess and len(st.devices) == 4
+mine = [i for i, g in enumerate(st.groups) if st.owns(i)]
+assert 0 < len(mine) < len(st.groups), mine  # the state is split between the hosts
+# The reference's initial weights: the same init, all groups, in this process alone.
+full = store_lib.create(cfg, jax.random.key(0), mesh=store_lib.single_device_mesh(jax.local_devices()[0]))
+params = full.to_tree()
+eng = engine.Engine(cfg, st)
+
+b = batch_for(cfg)
+loss, grads = eng.grads(b)
+ref_loss, ref_tree = ref_loss_and_grads(cfg, params, b)
+np.testing.assert_allclose(loss, float(ref_loss), rtol=1e-5)
+for g, r, grp in zip(grads, ref.flat_grads(full, ref_tree), st.groups):
+  chex.assert_trees_all_close(g, r, rtol=1e-4, atol=1e-6, custom_message=grp.name)
+
+batches = [batch_for(cfg, i) for i in range(3)]
+want, _, want_losses = reference_training(cfg, params, batches)
+losses = [eng.step(x).loss for x in batches]
+eng.sync()
+np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+want_parts = [want["embed"], *want["blocks"], want["head"]]
+for i in mine:
+  chex.assert_trees_all_close(st.groups[i].layout.unflatten(st.read(i)["w"]),
+                              jax.tree.map(np.asarray, want_parts[i]), rtol=1e-5,
+                              atol=1e-3 * cfg.optim.lr, custom_message=st.groups[i].name)
+eng.close()
+print(f"ok: process {pid} owns groups {mine}", flush=True)
