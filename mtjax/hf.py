@@ -531,7 +531,8 @@ def load_into(store, directory: str | os.PathLike) -> None:
   ck = Checkpoint(directory)
   ck.check(store.model_cfg, store.layouts)
   for i, g in enumerate(store.groups):
-    store.fill(i, lambda out, name=g.name: ck.read_group(store.model_cfg, store.layouts, name, out))
+    if store.owns(i):  # with several processes, each reads the groups it holds
+      store.fill(i, lambda out, name=g.name: ck.read_group(store.model_cfg, store.layouts, name, out))
 
 
 def export_store(store, out_dir: str | os.PathLike, dtype: str = "bfloat16",

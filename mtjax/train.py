@@ -43,10 +43,13 @@ def rss_bytes() -> int:
 def run_folder(cfg: config_lib.Config) -> Path:
   tc = cfg.train
   if tc.run_dir:
-    return Path(tc.run_dir)
-  if tc.checkpoint_dir:
-    return Path(tc.checkpoint_dir)
-  return Path("runs") / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    folder = Path(tc.run_dir)
+  elif tc.checkpoint_dir:
+    folder = Path(tc.checkpoint_dir)
+  else:
+    folder = Path("runs") / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+  # Several processes: the first writes the run folder, each other one a subfolder of its own.
+  return folder / f"process_{jax.process_index()}" if jax.process_index() else folder
 
 
 def device_peak_bytes(device) -> int | None:
@@ -92,6 +95,11 @@ class _Signals:
 def check_outputs(cfg: config_lib.Config, json_path: str | None = None) -> None:
   """Refuses, before any training, output paths that cannot be written."""
   tc = cfg.train
+  if jax.process_count() > 1:
+    for key in ("checkpoint_dir", "export_dir"):
+      if getattr(tc, key):
+        raise ValueError(f"train.{key}: not supported yet in a run over several processes "
+                         f"(hosts); leave it unset")
   if tc.checkpoint_dir:
     checkpoint.claim(tc.checkpoint_dir, tc.resume, tc.overwrite)
   for key, path in (("train.export_dir", tc.export_dir), ("--json", json_path)):
@@ -345,7 +353,20 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--show-plan", action="store_true", help="print the plan before training")
   p.add_argument("--debug", action="store_true",
                  help="show the full traceback of an error instead of its one-line summary")
+  p.add_argument("--coordinator", metavar="HOST:PORT",
+                 help="several hosts: process 0's address (jax.distributed); with --num-processes "
+                      "and --process-id")
+  p.add_argument("--num-processes", type=int, help="several hosts: how many processes in all")
+  p.add_argument("--process-id", type=int, help="several hosts: this process's index, from 0")
   args, cfg = config_lib.parse_cli(p, argv)
+  dist = (args.coordinator, args.num_processes, args.process_id)
+  if any(x is not None for x in dist):
+    if any(x is None for x in dist) or not 0 <= args.process_id < args.num_processes:
+      print("error: several hosts need --coordinator, --num-processes and --process-id (0 <= id "
+            "< processes)", file=sys.stderr)
+      return 2
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU-only hosts too
+    jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
   runlog.setup_logging("WARNING" if args.quiet else args.log_level)
   show = (lambda plan: print(plan_lib.format_plan(plan), flush=True)) if args.show_plan else None
   try:

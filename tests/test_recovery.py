@@ -219,6 +219,9 @@ def test_bad_inputs_are_one_line_errors_before_any_training(tmp_path, capsys, mo
   one_line_error(main(f"train.export_dir={tmp_path / 'out'}"), "train.export_dir",
                  "not an empty folder")
   one_line_error(main(f"model.from_hf={tmp_path / 'out'}"), "model.from_hf")
+  one_line_error(main("--coordinator", "localhost:1"), "--num-processes", "--process-id")
+  one_line_error(main("engine.devices=2"), "engine.devices: 2 requested, this process sees 1")
+  one_line_error(main("engine.devices=0"), "engine.devices: 0 must be > 0")
   # A checkpoint folder of another model is refused, never silently skipped or mixed.
   ck = tmp_path / "ck"
   assert main(*COMMON, "train.steps=2", f"train.checkpoint_dir={ck}")[0] == 0
