@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # mtjax itself, imported below for the logits comparison
 out = Path(sys.argv[1])
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 200
 SMALL = os.environ.get("SMALL") == "1"  # a CPU rehearsal of the whole script at toy sizes
