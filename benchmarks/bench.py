@@ -474,11 +474,11 @@ def main(argv=None):
       records.append(record(system, roofline_s, **{f"roofline_{k}_s": v for k, v in roof.items()}))
     print(f"  {records[-1]['system'] if records else system}: done", flush=True)
 
-  # Scaling efficiency of a run on N devices: tokens/s on N / (N x tokens/s of one device), the
-  # one-device figure from the first mtjax row that ran on one device with the same batch.
+  # Scaling efficiency of a run on N > 1 devices: tokens/s on N / (N x tokens/s of one device),
+  # the one-device figure from the first mtjax row that ran on one device with the same batch.
   one = next((r for r in records if r.get("devices") == 1), None)
   for r in records:
-    if one is not None and r.get("devices"):
+    if one is not None and (r.get("devices") or 1) > 1:
       r["scaling_efficiency"] = r["tokens_per_s"] / (r["devices"] * one["tokens_per_s"])
   print()
   hdr = (f"{'system':<20}{'devs':>5}{'step s':>9}{'tokens/s':>11}{'model TF':>10}{'hw TF':>8}"

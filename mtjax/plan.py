@@ -334,10 +334,11 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
   fits = ((host_limit is None or sum(host.values()) <= host_limit)
           and (device_limit is None or sum(device.values()) <= device_limit))
   if fits:  # the simulation costs O(layers); a plan that does not fit needs none
-    sched = simulate(layers, tiers, rates, e.inflight_layers, grad_queue)
+    clip = o.clip_mode if o.clip_norm else None
+    sched = simulate(layers, tiers, rates, e.inflight_layers, grad_queue, clip=clip)
     best = dataclasses.replace(rates,
                                host_adamw_in_step_gparams=rates.host_adamw_in_step_best_gparams)
-    sched_best = simulate(layers, tiers, best, e.inflight_layers, grad_queue)
+    sched_best = simulate(layers, tiers, best, e.inflight_layers, grad_queue, clip=clip)
   else:
     sched = sched_best = math.inf
   return Plan(P, tuple(tiers), host, device, pinned, step_s, host_limit, device_limit, sched,
@@ -356,7 +357,7 @@ class Layer:
 
 
 def simulate(layers: list[Layer], tiers, rates: Rates, inflight: int = 2, grad_queue: int = 4,
-             overlap: bool = True, steps: int = 4) -> float:
+             overlap: bool = True, steps: int = 4, clip: str | None = None) -> float:
   """Predicted step time of the engine's schedule: four in-order lanes (host->device copies, device
   compute, device->host copies, the host optimizer) and the engine's dependencies between them.
 
@@ -366,7 +367,10 @@ def simulate(layers: list[Layer], tiers, rates: Rates, inflight: int = 2, grad_q
   device. Backward, in reverse: weights (or, for stream groups, the optimizer state) come in, the
   gradient (or the optimizer state) goes out, and the host optimizer takes host groups in order;
   the device waits once more than `grad_queue` updates are queued. Device groups move nothing.
-  Without overlap every item runs alone. Steady state: the last step's length.
+  Without overlap every item runs alone. Exact clipping (`clip`, optim.clip_mode) changes the
+  backward: `host_buffer` applies every update only once the backward has ended (the host
+  optimizer cannot overlap it); `recompute` runs a norm-only backward before the applying one.
+  Steady state: the last step's length.
   """
   n = len(layers)
   if isinstance(tiers, int):
@@ -385,6 +389,18 @@ def simulate(layers: list[Layer], tiers, rates: Rates, inflight: int = 2, grad_q
     free[lane] = start + dur
     return free[lane]
 
+  def _update(g, ready):
+    """Group g's update, its gradient ready at `ready` (on the host for host groups)."""
+    lay, tier = layers[g], tiers[g]
+    if tier == "stream":  # m and v go back; the device's new weights stay for the next forward
+      moments_back[g] = run("d2h", ready, 8 * lay.params / d2h_rate)
+      updated[g] = ready
+    elif tier == "device":
+      updated[g] = ready
+    else:
+      updated[g] = run("opt", ready, lay.params / opt_rate)
+      opt_done.append(updated[g])
+
   for _ in range(steps):
     host_t = free["compute"]  # the host syncs on the loss and norms at the end of a step
     starts.append(host_t)
@@ -396,34 +412,39 @@ def simulate(layers: list[Layer], tiers, rates: Rates, inflight: int = 2, grad_q
       done[g] = run("compute", max(arrived, gate), lay.fwd_s)
       if lay.checkpoint_bytes:
         run("d2h", done[g], lay.checkpoint_bytes / d2h_rate)
-    opt_done: list[float] = []  # host updates of this backward, in order
-    bwd_done = [0.0] * n
-    for g in reversed(range(n)):
-      gate = opt_done[-grad_queue - 1] if len(opt_done) > grad_queue else host_t
-      if g + 2 + inflight < n:
-        gate = max(gate, bwd_done[g + 2 + inflight])
-      lay, tier = layers[g], tiers[g]
-      if g == n - 1:  # the head's gradient exists once its (forward) step ran
-        computed = done[-1]
-        if tier == "stream":  # its moments, for the device update, once last step's are back
-          run("h2d", max(gate, moments_back[g]), 8 * lay.params / h2d_rate)
-      else:
-        # weights (the embedding's backward needs none), or only the moments when streamed
-        nbytes = {"stream": 8 * lay.params, "host": 4 * lay.params * (g > 0),
-                  "device": 0}[tier] + lay.checkpoint_bytes
-        ready = max(gate, moments_back[g]) if tier == "stream" else gate
-        arrived = run("h2d", ready, nbytes / h2d_rate) if nbytes else ready
-        computed = run("compute", max(arrived, gate), lay.bwd_s)
-      bwd_done[g] = computed
-      if tier == "stream":  # m and v go back; the device's new weights stay for the next forward
-        moments_back[g] = run("d2h", computed, 8 * lay.params / d2h_rate)
-        updated[g] = computed
-      elif tier == "device":
-        updated[g] = computed
-      else:
-        landed = run("d2h", computed, 4 * lay.params / d2h_rate)
-        updated[g] = run("opt", landed, lay.params / opt_rate)
-        opt_done.append(updated[g])
+    # clip="recompute": a norm-only backward first (nothing updated), then the applying one.
+    for applying in ((False, True) if clip == "recompute" else (True,)):
+      opt_done: list[float] = []  # host updates of this backward, in order
+      held = []  # clip="host_buffer": (group, gradient landed) until the backward has ended
+      bwd_done = [0.0] * n
+      for g in reversed(range(n)):
+        gate = opt_done[-grad_queue - 1] if len(opt_done) > grad_queue else host_t
+        if g + 2 + inflight < n:
+          gate = max(gate, bwd_done[g + 2 + inflight])
+        lay, tier = layers[g], tiers[g]
+        streamed = tier == "stream" and applying
+        if g == n - 1:  # the head's gradient exists once its (forward) step ran
+          computed = done[-1]
+          if streamed:  # its moments, for the device update, once last step's are back
+            run("h2d", max(gate, moments_back[g]), 8 * lay.params / h2d_rate)
+        else:
+          # weights (the embedding's backward needs none), or only the moments when streamed
+          nbytes = {"stream": 8 * lay.params * applying, "host": 4 * lay.params * (g > 0),
+                    "device": 0}[tier] + lay.checkpoint_bytes
+          ready = max(gate, moments_back[g]) if streamed else gate
+          arrived = run("h2d", ready, nbytes / h2d_rate) if nbytes else ready
+          computed = run("compute", max(arrived, gate), lay.bwd_s)
+        bwd_done[g] = computed
+        if not applying:
+          continue
+        landed = run("d2h", computed, 4 * lay.params / d2h_rate) if tier == "host" else computed
+        if clip == "host_buffer":
+          held.append((g, landed))
+          continue
+        _update(g, landed)
+      end = free["compute"]  # the global norm is known: held gradients are applied in order
+      for g, landed in held:
+        _update(g, max(landed, end))
   return starts[-1] - starts[-2]
 
 

@@ -95,11 +95,6 @@ class _Signals:
 def check_outputs(cfg: config_lib.Config, json_path: str | None = None) -> None:
   """Refuses, before any training, output paths that cannot be written."""
   tc = cfg.train
-  if jax.process_count() > 1:
-    for key in ("checkpoint_dir", "export_dir"):
-      if getattr(tc, key):
-        raise ValueError(f"train.{key}: not supported yet in a run over several processes "
-                         f"(hosts); leave it unset")
   if tc.checkpoint_dir:
     checkpoint.claim(tc.checkpoint_dir, tc.resume, tc.overwrite)
   for key, path in (("train.export_dir", tc.export_dir), ("--json", json_path)):
@@ -145,6 +140,11 @@ def _run(cfg: config_lib.Config, progress: bool, on_plan, json_path: str | None,
   """
   check_outputs(cfg, json_path)
   cfg, plan = plan_lib.prepare(cfg)  # refuses a run that cannot fit, before any allocation
+  if jax.process_count() > 1:  # asked only now: it starts the backend, which prepare sets up
+    for key in ("checkpoint_dir", "export_dir"):
+      if getattr(cfg.train, key):
+        raise ValueError(f"train.{key}: not supported yet in a run over several processes "
+                         f"(hosts); leave it unset")
   if on_plan is not None:
     on_plan(plan)
   tc = cfg.train

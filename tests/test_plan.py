@@ -100,6 +100,31 @@ def test_peak_rss_during_init_stays_near_the_state(tmp_path):
   assert grown <= state_bytes + 4 * layer, (grown, state_bytes, layer)
 
 
+def test_train_does_not_start_the_backend_before_prepare_sets_it_up():
+  # The pinned pool and the GPU memory fraction are read once, when the backend starts: a
+  # train-side check that started it first silently left the GPU at XLA's default 75%.
+  script = textwrap.dedent("""
+      from mtjax import config, plan, train
+      seen = []
+      real = plan.prepare
+      def spy(cfg, *a, **k):
+          seen.append(plan.backend_started())
+          return real(cfg, *a, **k)
+      plan.prepare = spy
+      train.run(config.load("configs/tiny.yaml", ["train.steps=1", "train.tensorboard=false",
+                                                  "train.run_dir=RUN"]), progress=False)
+      print(seen)
+  """).replace("RUN", str(tmp_path_factory_dir()))
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       cwd=CONFIGS.parent, check=True)
+  assert out.stdout.strip().splitlines()[-1] == "[False]", out.stdout + out.stderr
+
+
+def tmp_path_factory_dir():
+  import tempfile
+  return tempfile.mkdtemp(prefix="mtjax-prepare-")
+
+
 def test_run_that_cannot_fit_is_refused_before_allocation(monkeypatch):
   cfg = config.load(CONFIGS / "llama_7b.yaml")
   monkeypatch.setattr(plan, "host_memory_limit", lambda: 64 * 2**30)
