@@ -45,6 +45,7 @@ def configs(draw):
   n_state = draw(hst.integers(0, groups))  # tiered placements: device, stream, host groups
   engine_ = dict(micro_batch=draw(hst.sampled_from([None] + [d for d in (1, 2) if batch % d == 0])),
                  loss_chunk=draw(hst.sampled_from([5, 16, 1024])), device_state_layers=n_state,
+                 seq_tile=draw(hst.sampled_from([None, 5])),  # tiles that do not divide seq
                  device_update_layers=draw(hst.integers(0, groups - n_state)))
   train = dict(batch=batch, seq=draw(hst.sampled_from([4, 8, 12])))
   return make_cfg(model, engine_, train=train)
@@ -174,7 +175,7 @@ def test_serial_engine_equals_plain_optax():
 
 
 @pytest.mark.parametrize("variant", [
-    dict(engine_=dict(activations="host", micro_batch=2)),
+    dict(engine_=dict(activations="host", micro_batch=2, seq_tile=3)),  # 8 tokens: 3 + 3 + 2
     dict(optim=dict(impl="optax")),
     dict(optim=dict(name="lion", lr=1e-3)),
     dict(optim=dict(name="sgd", momentum=0.9), engine_=dict(device_state_layers=2)),
@@ -189,7 +190,7 @@ def test_serial_engine_equals_plain_optax():
          optim=dict(clip_norm=0.05, clip_mode="host_buffer")),
     dict(engine_=dict(device_state_layers=4), model=dict(tie_embeddings=True),
          optim=dict(clip_norm=0.05, clip_mode="recompute")),
-], ids=["host-activations", "optax-impl", "lion", "sgd-device-tier", "adam-streamed-clip",
+], ids=["host-activations-seq-tiles", "optax-impl", "lion", "sgd-device-tier", "adam-streamed-clip",
         "clip-host-buffer", "clip-recompute-tied", "clip-inactive", "device-update-2",
         "device-update-all-tied-clip", "tiers-mixed-clip", "device-tier-all-tied-recompute"])
 def test_engine_variants_equal_plain_optax(variant):
