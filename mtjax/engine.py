@@ -419,9 +419,13 @@ class Engine:
     x = self._embed_fwd(w_embed, inp.tokens)
     self._observe("compute", 0, x)
     saved = []
+    every = self.cfg.engine.activations_every
     for i in range(L):
       w_cur, w_next = w_next, self._fetch(i + 2)
-      saved.append(store.to_host(x) if self.cfg.engine.activations == "host" else x)
+      if i % every:  # not kept: the backward re-runs this block's segment from its first input
+        saved.append(None)
+      else:
+        saved.append(store.to_host(x) if self.cfg.engine.activations == "host" else x)
       x = self._block_fwd(w_cur, x, inp.ctx)
       self._observe("compute", i + 1, x)
       self._ready(x)
@@ -448,11 +452,22 @@ class Engine:
       store.prefetch(L + 1)
     emit(L + 1, g_head, self._sumsq(g_head), keep[L + 1])
 
+    every = self.cfg.engine.activations_every
+    inputs = {}  # block inputs re-computed from a kept one (engine.activations_every > 1)
+
     def take(i):
-      x = jax.device_put(saved[i], store.on_device)
+      """Block i's input on the device: kept by the forward, or re-computed from the first input
+      of its segment (the blocks before i in it, their inputs held for their own backward)."""
+      if i in inputs:
+        return inputs.pop(i)
+      s = i - i % every
+      x = self._wait(jax.device_put(saved[s], store.batch_sharding))
       if last_pass:
-        saved[i] = None
-      return self._wait(x)
+        saved[s] = None
+      for t in range(s, i):
+        inputs[t] = x
+        x = self._block_fwd(self._fetch(t + 1), x, inp.ctx)
+      return x
 
     if L:
       w_next, x_next = self._fetch(L), take(L - 1)

@@ -253,6 +253,8 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
   largest_dev = max((sizes[i] + ob[i] // 4 for i in dev_g), default=0)
   streamed = [sizes[i] for i in host_g + stream_g]
   checkpoint = t.batch * t.seq * m.hidden * act  # one block's saved input (all devices)
+  K = e.activations_every
+  kept = -(-L // K)  # blocks whose input the forward keeps
   # Device figures are the busiest device's: the batch splits evenly, device and stream groups
   # live on home devices round-robin within their tier (mtjax.store.homes), the rest is replicated.
   busiest = lambda per_group: max(sum(per_group[k::nd]) for k in range(nd)) if per_group else 0
@@ -266,7 +268,7 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
                                if (o.clip_norm and o.clip_mode == "host_buffer") else 0),
       "stream staging": 2 * (4 * largest_stream + largest_stream_opt) if stream_g else 0,
       "device-tier staging (sync, checkpoints)": 4 * largest_dev if dev_g else 0,
-      "activations on host": L * checkpoint if e.activations == "host" else 0,
+      "activations on host": kept * checkpoint if e.activations == "host" else 0,
       "runtime": RUNTIME_HOST_BYTES if rates.accelerator else RUNTIME_HOST_BYTES_CPU,
       "device-tier host allowance (measured)": int(DEVICE_TIER_HOST_SHARE * sum(
           4 * sizes[i] + ob[i] for i in dev_g)) if rates.accelerator else 0,
@@ -282,7 +284,10 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
       "optimizer state in flight (stream tier)": 2 * 2 * largest_stream_opt,
       "streamed weights": 4 * top(streamed, e.inflight_layers + 1),
       "gradients": 4 * top(sizes, 2),
-      "saved activations": (L if e.activations == "device" else 2) * checkpoint // nd,
+      # kept inputs (or two in flight from the host), and with K > 1 the inputs of up to two
+      # segments re-computed in the backward
+      "saved activations": ((kept if e.activations == "device" else 2)
+                            + (2 * K if K > 1 else 0)) * checkpoint // nd,
       # clip_mode=host_buffer: stream and device groups' gradients (and stream groups' prefetched
       # state) wait on the device until the global norm is known
       "clip-held gradients": (sum(4 * sizes[i] for i in stream_g + dev_g)
@@ -308,12 +313,14 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
   D, V, H, hd = m.hidden, m.vocab_size, m.heads, m.dim_per_head
   block_matmul = pc["block"] - 2 * D - (H * hd + 2 * m.n_kv_heads * hd if m.qkv_bias else 0)
   causal = 0.5 if e.compute_dtype == "bfloat16" and e.attention != "xla" else 1.0
-  hw_flops = (L * (8 * block_matmul * tokens + 16 * t.batch * t.seq**2 * H * hd * causal)
-              + 6 * D * V * tokens)
-  ckpt_link = L * checkpoint if e.activations == "host" else 0
+  rerun = 1 + (K - 1) / K  # a block's forward runs again in the backward: once, or twice in a segment
+  # forward, its re-runs, backward (2x the forward): matmuls and causal attention
+  hw_flops = (L * ((6 + 2 * rerun) * block_matmul * tokens
+                   + (12 + 4 * rerun) * t.batch * t.seq**2 * H * hd * causal) + 6 * D * V * tokens)
+  ckpt_link = kept * checkpoint if e.activations == "host" else 0
   # Host groups' weights cross twice (forward, backward; the embedding's backward needs none),
   # stream groups' optimizer state crosses both ways, device groups cross nothing.
-  twice = lambda i: 2 if 0 < i <= L else 1
+  twice = lambda i: 1 + rerun if 0 < i <= L else 1  # blocks' re-runs fetch their weights again
   h2d = (sum(4 * sizes[i] * twice(i) for i in host_g) + sum(ob[i] for i in stream_g) + ckpt_link)
   d2h = 4 * sum(sizes[i] for i in host_g) + sum(ob[i] for i in stream_g) + ckpt_link
   host_updated = sum(sizes[i] for i in host_g)
@@ -326,8 +333,9 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
   block_fwd = (2 * block_matmul * tokens + 4 * t.batch * t.seq**2 * H * hd * causal) / (
       nd * rates.matmul_tflops * 1e12)
   layers = [Layer(sizes[0], 0.0, 0.0, 0)]
-  layers += [Layer(pc["block"], block_fwd, 3 * block_fwd,
-                   checkpoint if e.activations == "host" else 0)] * L
+  # A block whose input was not kept has its forward re-run in the backward: (K-1)/K of them.
+  layers += [Layer(pc["block"], block_fwd, (3 + (K - 1) / K) * block_fwd,
+                   checkpoint // K if e.activations == "host" else 0)] * L
   layers += [Layer(sizes[-1], 6 * D * V * tokens / (nd * rates.matmul_tflops * 1e12), 0.0, 0)]
   if not rates.accelerator:  # the CPU backend's "device" memory is host RAM
     host["device memory (CPU backend: host RAM)"] = sum(device.values())

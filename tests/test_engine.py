@@ -46,6 +46,7 @@ def configs(draw):
   engine_ = dict(micro_batch=draw(hst.sampled_from([None] + [d for d in (1, 2) if batch % d == 0])),
                  loss_chunk=draw(hst.sampled_from([5, 16, 1024])), device_state_layers=n_state,
                  seq_tile=draw(hst.sampled_from([None, 5])),  # tiles that do not divide seq
+                 activations_every=draw(hst.sampled_from([1, 2, 3])),
                  device_update_layers=draw(hst.integers(0, groups - n_state)))
   train = dict(batch=batch, seq=draw(hst.sampled_from([4, 8, 12])))
   return make_cfg(model, engine_, train=train)
@@ -184,7 +185,7 @@ def test_serial_engine_equals_plain_optax():
     dict(optim=dict(clip_norm=0.05, clip_mode="recompute"), model=dict(tie_embeddings=True)),
     dict(optim=dict(clip_norm=1e3, clip_mode="host_buffer")),  # threshold above the norm: no clip
     dict(engine_=dict(device_update_layers=2)),
-    dict(engine_=dict(device_update_layers=4), model=dict(tie_embeddings=True),
+    dict(engine_=dict(device_update_layers=4, activations_every=2), model=dict(tie_embeddings=True),
          optim=dict(clip_norm=0.05, clip_mode="recompute")),
     dict(engine_=dict(device_update_layers=1, device_state_layers=2),
          optim=dict(clip_norm=0.05, clip_mode="host_buffer")),
@@ -195,6 +196,18 @@ def test_serial_engine_equals_plain_optax():
         "device-update-all-tied-clip", "tiers-mixed-clip", "device-tier-all-tied-recompute"])
 def test_engine_variants_equal_plain_optax(variant):
   assert_training_matches_optax(make_cfg(**variant))
+
+
+def test_every_kth_block_input_is_kept_and_the_plan_counts_it():
+  cfg = make_cfg({"layers": 5}, dict(activations_every=2))
+  st, eng = new_engine(cfg)
+  saved = eng._forward(eng._inputs(batch_for(cfg)))[3]
+  assert [x is not None for x in saved] == [True, False, True, False, True]  # blocks 0, 2, 4
+  eng.close()
+  from mtjax import plan
+  act = lambda k: plan.make(make_cfg({"layers": 12}, dict(activations_every=k))).device[
+      "saved activations"]
+  assert act(1) == 12 * act(4) / (3 + 8)  # 12 kept vs 3 kept + two 4-block segments re-run
 
 
 def test_clipping_is_active_in_the_clip_tests():
