@@ -97,7 +97,7 @@ class OptimConfig:
 class EngineConfig:
   compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # dtype of weights and activations on device
   activations: Literal["device", "host"] = "device"  # where each block's saved input lives between forward and backward
-  activations_every: int = 1  # keep every K-th block's input; the backward re-runs a segment of K blocks' forward from it
+  activations_every: int | Literal["auto"] = 1  # keep every K-th block's input; the backward re-runs a segment of K blocks' forward from it; auto: every input while the device holds them, else the smallest K that fits
   micro_batch: int | None = None  # sequences per chunk inside a layer; None means the whole batch
   loss_chunk: int = 1024  # tokens per LM-head chunk, so full logits never exist
   attention: Literal["auto", "xla", "cudnn", "blockwise"] = "auto"  # attention kernel: XLA's, cuDNN's fused one, or mtjax's blockwise (no [T x T] tensor)
@@ -111,7 +111,9 @@ class EngineConfig:
   seq_tile: int | None = None  # tokens per tile of each block's norms and MLP (recomputed per tile in the backward); None: the whole sequence
 
   def __post_init__(self):
-    _positive(self, "loss_chunk", "inflight_layers", "activations_every")
+    _positive(self, "loss_chunk", "inflight_layers")
+    if self.activations_every != "auto" and self.activations_every <= 0:
+      raise ConfigError(f"engine.activations_every: {self.activations_every} must be > 0 or auto")
     if self.grad_queue != "auto" and self.grad_queue <= 0:
       raise ConfigError(f"engine.grad_queue: {self.grad_queue} must be > 0 or auto")
     for key in ("device_state_layers", "device_update_layers"):

@@ -250,8 +250,9 @@ class _HostBuffer(_NoClip):
         return
       if store.groups[idx].tier == "host":  # the gradient waits in pinned host memory, w unneeded
         self.held[idx] = (store.grad_to_host(g, store.groups[idx].home), None)
-      else:  # held on the device until the norm is known (the planner counts it)
-        self.held[idx] = (g, w)
+      else:  # held on the device until the norm is known (the planner counts it); a stream
+        # group's update uses the weights the backward had, a device group's its own
+        self.held[idx] = (g, w if store.groups[idx].tier == "stream" else None)
     return take
 
   def finish(self):

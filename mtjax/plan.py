@@ -86,6 +86,7 @@ class Plan:
   pinned_cap: int | None = None  # the pinned pool's cap when it was fixed before this plan
   grad_queue: int = 4  # host-group gradients queued before the device waits (resolved when auto)
   devices: int = 1  # data-parallel devices; `device` and `device_limit` are per device
+  activations_every: int = 1  # every K-th block's input kept (resolved when auto)
   device_tier_bytes: int = 0  # the device tier's state, all devices together
 
   @property
@@ -131,7 +132,7 @@ class Plan:
     return dataclasses.replace(cfg, engine=dataclasses.replace(
         cfg.engine, device_state_layers=self.device_state_layers,
         device_update_layers=self.device_update_layers, grad_queue=self.grad_queue,
-        devices=self.devices))
+        devices=self.devices, activations_every=self.activations_every))
 
 
 def make(cfg: config_lib.Config, host_limit: int | None = None, device_limit: int | None = None,
@@ -154,6 +155,15 @@ def make(cfg: config_lib.Config, host_limit: int | None = None, device_limit: in
     opt_bytes: optimizer-state bytes per group kind; default AdamW's 8 B/param.
     pinned_cap: the pinned pool's cap when it is fixed already (the backend has started).
   """
+  if cfg.engine.activations_every == "auto":
+    # Every block's input kept while the device holds them all, else the fewest kept that fit.
+    for k in ACTIVATIONS_EVERY:
+      plan = make(dataclasses.replace(cfg, engine=dataclasses.replace(
+          cfg.engine, activations_every=k)), host_limit, device_limit, rates, working, opt_bytes,
+                  pinned_cap)
+      if plan.fits_device:
+        break
+    return plan
   e = cfg.engine
   G = cfg.model.layers + 2
   plans: dict[tuple[int, int, int], Plan] = {}
@@ -184,6 +194,7 @@ def make(cfg: config_lib.Config, host_limit: int | None = None, device_limit: in
 
 
 GRAD_QUEUES = (2, 4, 6, 8, 12, 16, 24)  # what engine.grad_queue=auto chooses among
+ACTIVATIONS_EVERY = (1, 2, 3, 4, 6, 8, 12, 16)  # what engine.activations_every=auto chooses among
 
 
 def _place(cfg, build, G, host_limit, device_limit, rates) -> Plan:
@@ -284,10 +295,10 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
       "optimizer state in flight (stream tier)": 2 * 2 * largest_stream_opt,
       "streamed weights": 4 * top(streamed, e.inflight_layers + 1),
       "gradients": 4 * top(sizes, 2),
-      # kept inputs (or two in flight from the host), and with K > 1 the inputs of up to two
-      # segments re-computed in the backward
+      # kept inputs (or two in flight from the host), and with K > 1 one segment's re-computed
+      # inputs plus the block's own at the turn between two segments
       "saved activations": ((kept if e.activations == "device" else 2)
-                            + (2 * K if K > 1 else 0)) * checkpoint // nd,
+                            + (K + 1 if K > 1 else 0)) * checkpoint // nd,
       # clip_mode=host_buffer: stream and device groups' gradients (and stream groups' prefetched
       # state) wait on the device until the global norm is known
       "clip-held gradients": (sum(4 * sizes[i] for i in stream_g + dev_g)
@@ -350,8 +361,8 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
   else:
     sched = sched_best = math.inf
   return Plan(P, tuple(tiers), host, device, pinned, step_s, host_limit, device_limit, sched,
-              min(sched, sched_best), working is not None, pinned_cap, grad_queue, nd,
-              sum(4 * sizes[i] + ob[i] for i in dev_g))
+              min(sched, sched_best), working is not None, pinned_cap, grad_queue, devices=nd,
+              activations_every=K, device_tier_bytes=sum(4 * sizes[i] + ob[i] for i in dev_g))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -531,13 +542,17 @@ def prepare(cfg: config_lib.Config, host_limit: int | None = None
   n = devices_of(cfg, len(jax.local_devices()))
   if n > len(jax.local_devices()):
     raise PlanError(f"engine.devices: {n} requested, this process sees {len(jax.local_devices())}")
-  if cfg.train.batch % n:
-    raise PlanError(f"train.batch: {cfg.train.batch} sequences do not split evenly over {n} devices")
+  mb = cfg.engine.micro_batch or 1
+  n_all = n * jax.process_count()  # every process's devices share the global batch
+  if cfg.train.batch % (n_all * mb):
+    raise PlanError(f"train.batch: {cfg.train.batch} sequences do not split evenly over {n_all} "
+                    f"device(s)" + (f" in micro-batches of {mb}" if mb > 1 else "")
+                    + "; set engine.devices or the batch")
   cfg = _with_devices(cfg, n)
   if accel:
     pinned_cap = int(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64")) * GiB
   from mtjax import engine as engine_lib, optimizer as opt_lib, state as state_lib  # noqa: PLC0415
-  working = engine_lib.compiled_memory(cfg, device, n)
+  working = engine_lib.compiled_memory(cfg, device, n_all)
   rule = opt_lib.UpdateRule(cfg.optim, cfg.decay_steps)
   opt_bytes = {k: rule.state_bytes(lay) for k, lay in state_lib.layouts(cfg.model).items()}
   plan = make(cfg, host_limit, device_memory_limit(device), Rates(accelerator=accel), working,
@@ -554,6 +569,9 @@ def probe_device_count() -> int | None:
   """How many GPUs nvidia-smi lists (without starting the jax backend), or None."""
   if os.environ.get("JAX_PLATFORMS", "").strip() == "cpu":
     return None
+  visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+  if visible is not None:  # what the process will see, not what the machine has
+    return len([d for d in visible.split(",") if d.strip()]) or None
   try:
     out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
                          capture_output=True, text=True, timeout=20)
@@ -611,7 +629,9 @@ def format_plan(plan: Plan) -> str:
             + ", ".join(f"{k} {v:.3f}" for k, v in plan.step_s.items()) + ")",
             f"predicted step {plan.schedule_best_s:.3f}-{plan.schedule_s:.3f} s (the engine's "
             f"schedule, simulated; host AdamW at its best-worst in-step rate; gradient queue "
-            f"{plan.grad_queue})",
+            f"{plan.grad_queue}" + (f"; every {plan.activations_every}th block's input kept, the "
+                                    f"rest re-computed" if plan.activations_every > 1 else "")
+            + ")",
             "device bytes of the layer executables: " + ("from XLA's analysis of the compiled code"
                                                          if plan.compiled else "estimated")]
   return "\n".join(lines)

@@ -63,7 +63,7 @@ def placement(cfg: Config) -> list[Tier]:
   in device memory, the next `engine.device_update_layers` streamed, the rest on the host."""
   e = cfg.engine
   n = cfg.model.layers + 2
-  if "auto" in (e.device_state_layers, e.device_update_layers, e.grad_queue):
+  if "auto" in (e.device_state_layers, e.device_update_layers, e.grad_queue, e.activations_every):
     raise ValueError("engine placement is 'auto': resolve it with mtjax.plan.prepare(cfg) first")
   n_dev = min(e.device_state_layers, n)
   n_str = min(e.device_update_layers, n - n_dev)
@@ -109,7 +109,7 @@ class LayerStore:
     self.on_host = self.pinned(self.local_devices[0])
     self._rows = NamedSharding(mesh, PartitionSpec("data"))
     self._sum_rows = jax.jit(lambda a: a.sum(0), out_shardings=self.on_device)
-    self._zeros: dict[tuple[int, int], jax.Array] = {}
+    self._zeros: dict[tuple[int, int], object] = {}  # jitted makers of a zero row, made on use
     self.rule = rule
     self.host_opt = opt_lib.HostOptimizer(cfg.optim, self.rule)
     self.wait_s = 0.0  # host seconds spent waiting for the host optimizer (reset by the engine)
@@ -190,11 +190,12 @@ class LayerStore:
     for d in self.local_devices:
       if d == g.home:
         rows.append(jax.device_put(x, self.on(d))[None])
-      else:
+      else:  # made on the device for this fetch (no copy, nothing kept)
         key = (d.id, g.size)
         if key not in self._zeros:
-          self._zeros[key] = jax.device_put(np.zeros((1, g.size), np.float32), self.on(d))
-        rows.append(self._zeros[key])
+          self._zeros[key] = jax.jit(lambda n=g.size: jnp.zeros((1, n), jnp.float32),
+                                     out_shardings=self.on(d))
+        rows.append(self._zeros[key]())
     stacked = jax.make_array_from_single_device_arrays((len(self.devices), g.size), self._rows, rows)
     return self._sum_rows(stacked)
 
@@ -264,7 +265,9 @@ class LayerStore:
       w = self._local(self.fetch(i) if w is None else w, g.home)
       self.prefetch(i)
       opt = self._moments.pop(i)
-    ok = jax.device_put(jnp.asarray(ok, bool), self.on(g.home))
+    ok = jnp.asarray(ok, bool)
+    if len(self.devices) > 1:
+      ok = jax.device_put(ok, self.on(g.home))
     w, opt = self._device_update(w, opt, self._local(grad, g.home), self.rule.scalars(self.step),
                                  np.float32(scale), g.layout, ok)
     if g.tier == "device":
@@ -475,6 +478,11 @@ def create(cfg: Config, key: jax.Array, tiers: Sequence[Tier] | None = None,
   lays = layouts(cfg.model)
   rule = opt_lib.UpdateRule(cfg.optim, cfg.decay_steps, tx)
   store = LayerStore(cfg, [], mesh, rule)
+  if store.multiprocess:  # every process must place every group alike, or a group has 0 or 2 owners
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+    multihost_utils.assert_equal(np.array([TIERS.index(t) for t in tiers], np.int32),
+                                 "the processes planned different placements; give every host "
+                                 "the same engine.device_state_layers and device_update_layers")
   seed = np.asarray(jax.random.key_data(key)).ravel().astype(np.uint32).tolist()
   for (name, kind_), tier, home in zip(names, tiers, homes(tiers, store.devices)):
     lay = lays[kind_]

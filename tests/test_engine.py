@@ -207,7 +207,15 @@ def test_every_kth_block_input_is_kept_and_the_plan_counts_it():
   from mtjax import plan
   act = lambda k: plan.make(make_cfg({"layers": 12}, dict(activations_every=k))).device[
       "saved activations"]
-  assert act(1) == 12 * act(4) / (3 + 8)  # 12 kept vs 3 kept + two 4-block segments re-run
+  assert act(1) * (3 + 5) == 12 * act(4)  # 12 kept vs 3 kept + a 4-block segment re-run + 1
+  # auto: all kept while they fit, else the fewest kept that fit the device
+  big = make_cfg({"layers": 12}, dict(activations_every="auto"), train=dict(batch=64, seq=512))
+  full = plan.make(dataclasses.replace(big, engine=dataclasses.replace(big.engine,
+                                                                       activations_every=1)))
+  assert plan.make(big, device_limit=10 * full.device_total).activations_every == 1
+  tight = plan.make(big, device_limit=full.device_total - full.device["saved activations"] // 5)
+  assert tight.activations_every > 1 and tight.fits_device
+  assert tight.resolve(big).engine.activations_every == tight.activations_every
 
 
 def test_clipping_is_active_in_the_clip_tests():
