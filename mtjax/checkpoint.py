@@ -55,13 +55,18 @@ def save(store: LayerStore, directory: str | Path, extra: dict | None = None) ->
   tmp.mkdir(parents=True)
   ckptr = ocp.StandardCheckpointer()
   sums = {}
-  for i, g in enumerate(store.groups):
-    state = store.read(i)
-    leaves = {str(k): a for k, a in enumerate(jax.tree.leaves(state["opt"]))}
-    sums[g.name] = [checksum(state["w"])] + [checksum(a) for a in leaves.values()]
-    ckptr.save(tmp / g.name, {"w": state["w"], "opt": leaves})
-    ckptr.wait_until_finished()
-    del state, leaves  # one group in memory at a time
+  try:
+    for i, g in enumerate(store.groups):
+      state = store.read(i)
+      leaves = {str(k): a for k, a in enumerate(jax.tree.leaves(state["opt"]))}
+      sums[g.name] = [checksum(state["w"])] + [checksum(a) for a in leaves.values()]
+      ckptr.save(tmp / g.name, {"w": state["w"], "opt": leaves})
+      ckptr.wait_until_finished()
+      del state, leaves  # one group in memory at a time
+  finally:
+    # An exception inside a save (a second signal abandons the run) must not leave orbax's
+    # background thread committing while the interpreter shuts down: it waits for it here.
+    ckptr.close()
   (tmp / "meta.json").write_text(json.dumps({
       "step": store.step, "groups": _layout_record(store), "checksums": sums,
       "extra": extra or {}}))

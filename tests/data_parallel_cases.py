@@ -44,7 +44,7 @@ def configs(draw):
   return make_cfg(model, engine_, train=dict(batch=draw(hst.sampled_from([4, 8])), seq=8))
 
 
-@settings(max_examples=3)
+@settings(max_examples=2)
 @given(configs(), hst.booleans())
 def test_grads_on_n_devices_equal_the_reference_and_one_device(cfg, pack):
   st, eng = new_engine(cfg)
@@ -62,7 +62,7 @@ def test_grads_on_n_devices_equal_the_reference_and_one_device(cfg, pack):
   eng1.close()
 
 
-@settings(max_examples=4)
+@settings(max_examples=3)
 @given(configs(), hst.booleans(), hst.sampled_from([None, "host_buffer", "recompute"]))
 def test_steps_on_n_devices_equal_plain_optax(cfg, pack, clip):
   if clip:

@@ -94,7 +94,7 @@ def test_a_second_signal_abandons_the_step_without_a_traceback(tmp_path):
   assert len(ends) == 1, err  # one line says how it ended (the 2nd signal may land after the save)
 
 
-def test_sigkill_at_random_moments_fifty_times_then_resume_equals_uninterrupted(tmp_path):
+def test_sigkill_at_random_moments_thirty_times_then_resume_equals_uninterrupted(tmp_path):
   # Kills land anywhere: during start-up, a step, a checkpoint's save (one group at a time, then
   # the rename) or the pruning of old ones. Every restart resumes from what is on disk.
   steps = 400
@@ -107,7 +107,7 @@ def test_sigkill_at_random_moments_fifty_times_then_resume_equals_uninterrupted(
          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
   rng = random.Random(0)
   kills, during_startup = 0, 0
-  while kills < 50:
+  while kills < 30:
     before = checkpoint.latest(ck)
     proc = start(*over, env=env)
     if rng.random() < 0.2:  # anywhere, start-up included
@@ -122,7 +122,7 @@ def test_sigkill_at_random_moments_fifty_times_then_resume_equals_uninterrupted(
     proc.kill()
     proc.wait()
     kills += 1
-  assert kills == 50 and during_startup > 0
+  assert kills == 30 and during_startup > 0
   done = checkpoint.latest(tmp_path / "ck")
   assert done is not None and 0 < int(done.name.split("_")[1]) < steps  # progress, not finished
   n = int(done.name.split("_")[1]) + 2
