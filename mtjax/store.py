@@ -97,9 +97,10 @@ class LayerStore:
     self.groups = groups
     self.mesh = mesh
     self.devices = list(mesh.devices.flat)
-    self.local_devices = [d for d in self.devices if d.process_index == jax.process_index()]
+    self._process = jax.process_index()  # asked once: owns() runs on every fetch and commit
+    self.local_devices = [d for d in self.devices if d.process_index == self._process]
     # Several processes (hosts): each group's state lives in its home device's process alone.
-    self.multiprocess = any(d.process_index != jax.process_index() for d in self.devices)
+    self.multiprocess = any(d.process_index != self._process for d in self.devices)
     self.step = 0  # optimizer updates applied so far
     self._shardings: dict[tuple[int, str], NamedSharding] = {}
     self.on_device = NamedSharding(mesh, PartitionSpec(), memory_kind="device")  # every device
@@ -107,7 +108,6 @@ class LayerStore:
     self.host_kind = host_memory_kind(self.local_devices[0])
     # One host copy, in the first device's pinned memory (gradients for the caller, checkpoints).
     self.on_host = self.pinned(self.local_devices[0])
-    self._rows = NamedSharding(mesh, PartitionSpec("data"))
     self._sum_rows = jax.jit(lambda a: a.sum(0), out_shardings=self.on_device)
     self._zeros: dict[tuple[int, int], object] = {}  # jitted makers of a zero row, made on use
     self.rule = rule
@@ -176,7 +176,7 @@ class LayerStore:
   def owns(self, g: Group | int) -> bool:
     """Whether this process holds (and updates) the group's state: always, in one process."""
     g = self.groups[g] if isinstance(g, int) else g
-    return g.home.process_index == jax.process_index()
+    return g.home.process_index == self._process
 
   def _everywhere(self, g: Group, x: jax.Array | None) -> jax.Array:
     """Group g's weights x (on its home device or in pinned host memory) replicated on every
@@ -196,7 +196,8 @@ class LayerStore:
           self._zeros[key] = jax.jit(lambda n=g.size: jnp.zeros((1, n), jnp.float32),
                                      out_shardings=self.on(d))
         rows.append(self._zeros[key]())
-    stacked = jax.make_array_from_single_device_arrays((len(self.devices), g.size), self._rows, rows)
+    stacked = jax.make_array_from_single_device_arrays((len(self.devices), g.size),
+                                                       self.batch_sharding, rows)
     return self._sum_rows(stacked)
 
   # ---- movement --------------------------------------------------------------------------------
@@ -328,7 +329,7 @@ class LayerStore:
     g = self.groups[i]
     if not self.owns(g):
       raise ValueError(f"{g.name}: its state lives in process {g.home.process_index}, "
-                       f"not this one ({jax.process_index()})")
+                       f"not this one ({self._process})")
     return g
 
   def _drop_views(self, i: int):
