@@ -149,8 +149,9 @@ def _time_host(fn):
 # ---- work counts ----------------------------------------------------------------------------
 
 def flops(cfg: config_lib.Config, attention: str) -> dict:
-  """FLOPs of one step: `model` = 6 * params * tokens; `hw` = what the engine executes (block
-  forward twice: once forward, once re-materialised in the backward; attention included)."""
+  """FLOPs of one step: `model` = 6 * params * tokens; `with_attention` adds attention's causal
+  matmuls (mtjax.plan.flops); `hw` = what the engine executes (block forward twice: once
+  forward, once re-materialised in the backward; attention included, masked half too for XLA's)."""
   m, t = cfg.model, cfg.train
   tokens = t.batch * t.seq
   lays = state_lib.layouts(m)
@@ -160,7 +161,8 @@ def flops(cfg: config_lib.Config, attention: str) -> dict:
   causal = 0.5 if attention in ("cudnn", "blockwise") else 1.0  # flash kernels skip the masked half
   attn_fwd = 4 * t.batch * t.seq**2 * m.heads * m.dim_per_head * causal
   hw = m.layers * (8 * block_matmul * tokens + 4 * attn_fwd) + 6 * head_matmul * tokens
-  return {"model": 6 * n_params * tokens, "hw": hw, "params": n_params, "tokens": tokens}
+  return {"model": 6 * n_params * tokens, "hw": hw, "params": n_params, "tokens": tokens,
+          "with_attention": plan_lib.flops(cfg)["with_attention"]}
 
 
 # ---- systems --------------------------------------------------------------------------------
@@ -208,11 +210,11 @@ def run_engine(cfg, batches, warmup, steps, trace_path=None, overlap=True):
 
 
 def device_compute_s(cfg, batch, reps=3) -> float:
-  """Forward + backward through the same compiled layers with every group's state in device
-  memory (nothing crosses the link): the time the GPU needs for its own work, so 1 - this / step_s
-  is its idle share."""
+  """Forward + backward through the same compiled layers with every group's weights resident in
+  device memory (nothing crosses the link): the time the GPU needs for its own work, so
+  1 - this / step_s is its idle share."""
   G = cfg.model.layers + 2
-  st = store_lib.create(cfg, jax.random.key(cfg.train.seed), ["device"] * G)
+  st = store_lib.create(cfg, jax.random.key(cfg.train.seed), ["stream"] * G)
   eng = Engine(cfg, st)
 
   def once():
@@ -373,6 +375,9 @@ def main(argv=None):
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--out", help="append records to this JSON list")
   p.add_argument("--timeline", help="PNG of one traced mtjax step (variants: PNG stem + _NAME)")
+  p.add_argument("--no-idle", action="store_true",
+                 help="skip the GPU-idle column (it times the layers again with every weight "
+                      "resident: one more model's weights in device memory)")
   p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[ KEY=VALUE...]",
                  help="also time the engine with these overrides, as system mtjax:NAME")
   args, cfg = config_lib.parse_cli(p, argv)
@@ -429,7 +434,9 @@ def main(argv=None):
 
   def record(system, step_s, **kw):
     r = dict(system=system, **base, step_s=step_s, tokens_per_s=work["tokens"] / step_s,
-             model_tflops=work["model"] / step_s / 1e12, hw_tflops=work["hw"] / step_s / 1e12)
+             model_tflops=work["model"] / step_s / 1e12, hw_tflops=work["hw"] / step_s / 1e12,
+             tflops_with_attention=work["with_attention"] / step_s / 1e12)
+    r["ceiling_frac_with_attention"] = r["tflops_with_attention"] / mm
     r.update(kw)
     return r
 
@@ -445,10 +452,11 @@ def main(argv=None):
       if tl is not None:
         timelines[system] = tl
       print(f"  {system}: CPU per step by thread: {r['cpu']}", flush=True)
-      compute_s = device_compute_s(c, batches(0)) if system != "mtjax-serial" else None
+      peak = device_peak_bytes(dev)  # the process's peak so far, before the idle probe's own
+      compute_s = (device_compute_s(c, batches(0))
+                   if system != "mtjax-serial" and not args.no_idle else None)
       # This configuration's own lower bound (its placement moves work between host and link).
       own_roofline = plan_lib.make(c, rates=measured).predicted_step_s
-      peak = device_peak_bytes(dev)
       allocated = r["allocated"]
       records.append(record(
           system, r["step_s"], host_bytes_per_param=(allocated["host"] + allocated["pinned"]) / n,
@@ -481,8 +489,9 @@ def main(argv=None):
     if one is not None and (r.get("devices") or 1) > 1:
       r["scaling_efficiency"] = r["tokens_per_s"] / (r["devices"] * one["tokens_per_s"])
   print()
-  hdr = (f"{'system':<20}{'devs':>5}{'step s':>9}{'tokens/s':>11}{'model TF':>10}{'hw TF':>8}"
-         f"{'GPU idle':>10}{'dev GiB':>9}{'opt Gp/s':>10}{'own roof':>10}{'scaling':>9}")
+  hdr = (f"{'system':<20}{'devs':>5}{'step s':>9}{'tokens/s':>11}{'model TF':>10}{'+attn TF':>10}"
+         f"{'of ceil':>9}{'hw TF':>8}{'GPU idle':>10}{'dev GiB':>9}{'opt Gp/s':>10}"
+         f"{'own roof':>10}{'scaling':>9}")
   print(hdr)
   for r in records:
     idle = r.get("gpu_idle_frac")
@@ -492,6 +501,7 @@ def main(argv=None):
     eff = r.get("scaling_efficiency")
     print(f"{r['system']:<20}{r.get('devices') or '':>5}{r['step_s']:>9.3f}"
           f"{r['tokens_per_s']:>11,.0f}{r['model_tflops']:>10.1f}"
+          f"{r['tflops_with_attention']:>10.1f}{r['ceiling_frac_with_attention']:>9.1%}"
           f"{r['hw_tflops']:>8.1f}{'' if idle is None else f'{idle:.1%}':>10}"
           f"{'' if peak is None else f'{peak:.1f}':>9}{'' if not opt else f'{opt:.2f}':>10}"
           f"{'' if own is None else f'{own:.3f}':>10}{'' if eff is None else f'{eff:.0%}':>9}")

@@ -79,6 +79,9 @@ def main(argv=None) -> int:
   from transformers import LlamaForCausalLM
 
   m, t = cfg.model, cfg.train
+  if cfg.engine.device_memory_gb is not None:  # as on a smaller card: torch's allocator is capped
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.engine.device_memory_gb * 2**30 / total))
   deepspeed.init_distributed()
   conf = ds_config(cfg)
   if args.optimizer == "torch":
@@ -128,7 +131,7 @@ def main(argv=None) -> int:
       "device_peak_gib": torch.cuda.max_memory_allocated() / 2**30, "h2d_gbps": None,
       "d2h_gbps": None, "host_opt_gparams_per_s": None, "gpu_idle_frac": None,
       "roofline_s": None, "loss": loss, "jax_version": None, "torch_version": torch.__version__,
-      "deepspeed_version": deepspeed.__version__,
+      "deepspeed_version": deepspeed.__version__, "device_memory_gb": cfg.engine.device_memory_gb,
       "optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
   }
   print(f"deepspeed-zero3-offload: {step_s:.3f} s/step, {tokens / step_s:,.0f} tokens/s, "

@@ -96,7 +96,7 @@ class OptimConfig:
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
   compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # dtype of weights and activations on device
-  activations: Literal["device", "host"] = "device"  # where each block's saved input lives between forward and backward
+  activations: int | Literal["device", "host", "auto"] = "device"  # where the kept block inputs wait for the backward: device memory, pinned host memory (copied out and back overlapped with compute), N: the first N kept inputs on the host, the rest on the device; auto: the planner spills the fewest that make the device fit
   activations_every: int | Literal["auto"] = 1  # keep every K-th block's input; the backward re-runs a segment of K blocks' forward from it; auto: every input while the device holds them, else the smallest K that fits
   micro_batch: int | None = None  # sequences per chunk inside a layer; None means the whole batch
   loss_chunk: int = 1024  # tokens per LM-head chunk, so full logits never exist
@@ -108,12 +108,14 @@ class EngineConfig:
   device_update_layers: int | Literal["auto"] = 0  # the next N groups are updated on the device, their optimizer state streamed through it; auto: the planner picks
   device_memory_gb: float | None = None  # device memory the run may use (as on a smaller card); None: 92% of the device
   devices: int | Literal["all"] = "all"  # local devices the step runs on (data-parallel over a Mesh; train.batch splits evenly over them)
-  seq_tile: int | None = None  # tokens per tile of each block's norms and MLP (recomputed per tile in the backward); None: the whole sequence
+  seq_tile: int | None = 16384  # longer sequences run each block's norms, projections and MLP this many tokens at a time (recomputed per tile in the backward); None: the whole sequence at once
 
   def __post_init__(self):
     _positive(self, "loss_chunk", "inflight_layers")
     if self.activations_every != "auto" and self.activations_every <= 0:
       raise ConfigError(f"engine.activations_every: {self.activations_every} must be > 0 or auto")
+    if isinstance(self.activations, int) and self.activations < 0:
+      raise ConfigError(f"engine.activations: {self.activations} must be >= 0, device, host or auto")
     if self.grad_queue != "auto" and self.grad_queue <= 0:
       raise ConfigError(f"engine.grad_queue: {self.grad_queue} must be > 0 or auto")
     for key in ("device_state_layers", "device_update_layers"):
@@ -128,6 +130,19 @@ class EngineConfig:
       raise ConfigError(f"engine.seq_tile: {self.seq_tile} must be > 0 or null")
     if self.devices != "all" and self.devices <= 0:
       raise ConfigError(f"engine.devices: {self.devices} must be > 0 or all")
+
+  def activations_on_host(self, layers: int) -> int:
+    """How many kept block inputs (the first ones) wait in host memory; needs activations_every
+    and activations resolved (not auto)."""
+    if "auto" in (self.activations, self.activations_every):
+      raise ValueError("engine.activations / activations_every: auto is resolved by the planner "
+                       "(mtjax.plan.prepare)")
+    kept = -(-layers // self.activations_every)
+    if self.activations == "device":
+      return 0
+    if self.activations == "host":
+      return kept
+    return min(kept, self.activations)
 
 
 @dataclasses.dataclass(frozen=True)

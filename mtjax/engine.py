@@ -4,8 +4,10 @@ A step, as `Engine.step` reads top to bottom (group index g: 0 = embedding, 1..L
 L+1 = head):
 
   forward   for each group: ask the store for its weights (group g+1's copy is issued before
-            group g's kernel, so it overlaps), save the block's input (device, or pinned host by
-            `engine.activations`), run the compiled layer template `(weights, x, ctx)`.
+            group g's kernel, so it overlaps), keep the block's input (every
+            `engine.activations_every`-th; in device memory, or copied out to pinned host memory
+            for the first `engine.activations` ones), run the compiled layer template
+            `(weights, x, ctx)`.
   head      chunked LM head + cross-entropy: the loss, its gradient w.r.t. the last hidden state
             and the head's weight gradient, without ever holding [tokens x vocab].
   backward  for each block in reverse: the previous block's weights (and saved input) are
@@ -421,12 +423,13 @@ class Engine:
     self._observe("compute", 0, x)
     saved = []
     every = self.cfg.engine.activations_every
+    on_host = self.cfg.engine.activations_on_host(L)  # the first kept inputs wait in host memory
     for i in range(L):
       w_cur, w_next = w_next, self._fetch(i + 2)
       if i % every:  # not kept: the backward re-runs this block's segment from its first input
         saved.append(None)
       else:
-        saved.append(store.to_host(x) if self.cfg.engine.activations == "host" else x)
+        saved.append(store.to_host(x) if i // every < on_host else x)
       x = self._block_fwd(w_cur, x, inp.ctx)
       self._observe("compute", i + 1, x)
       self._ready(x)

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from mtjax import config as config_lib
 
@@ -54,6 +56,20 @@ def param_counts(m: config_lib.ModelConfig) -> dict[str, int]:
   return {"embed": embed, "block": block, "head": head, "total": embed + m.layers * block + head}
 
 
+def flops(cfg: config_lib.Config) -> dict[str, float]:
+  """FLOPs of one training step at the config's batch and sequence length.
+
+  `model`: 6 x parameters x tokens, the usual count (attention's own matmuls left out).
+  `attention`: those matmuls, scores and values, forward and backward (3 x the forward), counting
+  only the causal half a flash kernel computes: 6 x layers x batch x seq^2 x heads x head_dim.
+  `with_attention`: their sum, the work a long context is judged by."""
+  m, t = cfg.model, cfg.train
+  model = 6 * param_counts(m)["total"] * t.batch * t.seq
+  attention = 6 * m.layers * t.batch * t.seq**2 * m.heads * m.dim_per_head
+  return {"model": float(model), "attention": float(attention),
+          "with_attention": float(model + attention)}
+
+
 @dataclasses.dataclass(frozen=True)
 class Rates:
   """Machine rates for the step-time prediction (defaults: the lent H200 box, measured)."""
@@ -87,6 +103,7 @@ class Plan:
   grad_queue: int = 4  # host-group gradients queued before the device waits (resolved when auto)
   devices: int = 1  # data-parallel devices; `device` and `device_limit` are per device
   activations_every: int = 1  # every K-th block's input kept (resolved when auto)
+  activations_on_host: int = 0  # of the kept inputs, the first ones spilled to pinned host memory
   device_tier_bytes: int = 0  # the device tier's state, all devices together
 
   @property
@@ -132,7 +149,9 @@ class Plan:
     return dataclasses.replace(cfg, engine=dataclasses.replace(
         cfg.engine, device_state_layers=self.device_state_layers,
         device_update_layers=self.device_update_layers, grad_queue=self.grad_queue,
-        devices=self.devices, activations_every=self.activations_every))
+        devices=self.devices, activations_every=self.activations_every,
+        activations=(self.activations_on_host if cfg.engine.activations == "auto"
+                     else cfg.engine.activations)))
 
 
 def make(cfg: config_lib.Config, host_limit: int | None = None, device_limit: int | None = None,
@@ -155,15 +174,9 @@ def make(cfg: config_lib.Config, host_limit: int | None = None, device_limit: in
     opt_bytes: optimizer-state bytes per group kind; default AdamW's 8 B/param.
     pinned_cap: the pinned pool's cap when it is fixed already (the backend has started).
   """
-  if cfg.engine.activations_every == "auto":
-    # Every block's input kept while the device holds them all, else the fewest kept that fit.
-    for k in ACTIVATIONS_EVERY:
-      plan = make(dataclasses.replace(cfg, engine=dataclasses.replace(
-          cfg.engine, activations_every=k)), host_limit, device_limit, rates, working, opt_bytes,
-                  pinned_cap)
-      if plan.fits_device:
-        break
-    return plan
+  if "auto" in (cfg.engine.activations_every, cfg.engine.activations):
+    return _checkpoints(cfg, lambda c: make(c, host_limit, device_limit, rates, working,
+                                            opt_bytes, pinned_cap))
   e = cfg.engine
   G = cfg.model.layers + 2
   plans: dict[tuple[int, int, int], Plan] = {}
@@ -195,6 +208,43 @@ def make(cfg: config_lib.Config, host_limit: int | None = None, device_limit: in
 
 GRAD_QUEUES = (2, 4, 6, 8, 12, 16, 24)  # what engine.grad_queue=auto chooses among
 ACTIVATIONS_EVERY = (1, 2, 3, 4, 6, 8, 12, 16)  # what engine.activations_every=auto chooses among
+
+
+def _checkpoints(cfg: config_lib.Config, make_plan) -> Plan:
+  """Where the blocks' saved inputs go (`engine.activations_every` and `engine.activations`: auto).
+
+  `activations_every: auto` alone keeps every block's input while the device holds them, else the
+  fewest kept that fit. `activations: auto` spills the fewest kept inputs to pinned host memory
+  that make the device fit (copied out in the forward and back in the backward, overlapped with
+  compute); with both auto, each K's fewest spills that fit both memories compete on the
+  simulated step (spilling costs link time, re-running a segment costs compute), the search ending
+  at the first K that needs no spill (a larger one only re-computes more)."""
+  e, L = cfg.engine, cfg.model.layers
+  with_ = lambda k, a: make_plan(dataclasses.replace(cfg, engine=dataclasses.replace(
+      e, activations_every=k, activations=a)))
+  best = plan = None
+  for k in ACTIVATIONS_EVERY if e.activations_every == "auto" else (e.activations_every,):
+    if e.activations != "auto":
+      plan = with_(k, e.activations)
+      if plan.fits_device:
+        return plan
+      continue
+    kept = -(-L // k)
+    plan = with_(k, 0)
+    if not plan.fits_device:
+      # device bytes fall as inputs are spilled (the first spill adds two in flight): bisection
+      lo, hi = 0, kept  # lo does not fit; hi is checked below
+      if with_(k, hi).fits_device:
+        while hi - lo > 1:
+          mid = (lo + hi) // 2
+          lo, hi = (lo, mid) if with_(k, mid).fits_device else (mid, hi)
+      plan = with_(k, hi)
+    if (plan.fits_device and plan.fits_host and plan.fits_pool
+        and (best is None or plan.schedule_s < best.schedule_s)):
+      best = plan
+    if best is plan and plan.activations_on_host == 0:
+      break
+  return best or plan
 
 
 def _place(cfg, build, G, host_limit, device_limit, rates) -> Plan:
@@ -266,6 +316,7 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
   checkpoint = t.batch * t.seq * m.hidden * act  # one block's saved input (all devices)
   K = e.activations_every
   kept = -(-L // K)  # blocks whose input the forward keeps
+  spilled = e.activations_on_host(L)  # the first kept inputs wait in pinned host memory
   # Device figures are the busiest device's: the batch splits evenly, device and stream groups
   # live on home devices round-robin within their tier (mtjax.store.homes), the rest is replicated.
   busiest = lambda per_group: max(sum(per_group[k::nd]) for k in range(nd)) if per_group else 0
@@ -279,7 +330,7 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
                                if (o.clip_norm and o.clip_mode == "host_buffer") else 0),
       "stream staging": 2 * (4 * largest_stream + largest_stream_opt) if stream_g else 0,
       "device-tier staging (sync, checkpoints)": 4 * largest_dev if dev_g else 0,
-      "activations on host": kept * checkpoint if e.activations == "host" else 0,
+      "activations on host": spilled * checkpoint,
       "runtime": RUNTIME_HOST_BYTES if rates.accelerator else RUNTIME_HOST_BYTES_CPU,
       "device-tier host allowance (measured)": int(DEVICE_TIER_HOST_SHARE * sum(
           4 * sizes[i] + ob[i] for i in dev_g)) if rates.accelerator else 0,
@@ -295,9 +346,10 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
       "optimizer state in flight (stream tier)": 2 * 2 * largest_stream_opt,
       "streamed weights": 4 * top(streamed, e.inflight_layers + 1),
       "gradients": 4 * top(sizes, 2),
-      # kept inputs (or two in flight from the host), and with K > 1 one segment's re-computed
-      # inputs plus the block's own at the turn between two segments
-      "saved activations": ((kept if e.activations == "device" else 2)
+      # kept inputs in device memory (and two in flight from the host when some are spilled),
+      # and with K > 1 one segment's re-computed inputs plus the block's own at the turn between
+      # two segments
+      "saved activations": ((kept - spilled + (2 if spilled else 0))
                             + (K + 1 if K > 1 else 0)) * checkpoint // nd,
       # clip_mode=host_buffer: stream and device groups' gradients (and stream groups' prefetched
       # state) wait on the device until the global norm is known
@@ -313,8 +365,12 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
     D, F, V = m.hidden, m.ffn, m.vocab_size
     H = m.heads
     # One block's backward over one micro-batch: its forward re-run under vjp keeps about a dozen
-    # [mb, T, D]-sized and three [mb, T, F]-sized intermediates, and as many cotangents.
-    layer_acts = 2 * mb * t.seq * (12 * D + 3 * F) * act
+    # [mb, T, D]-sized and three [mb, T, F]-sized intermediates, and as many cotangents; tiled
+    # over the sequence (engine.seq_tile), about eight [mb, T, D] (input, q, k, v, attention
+    # output, residuals) and one tile's share of the rest.
+    tile = min(e.seq_tile or t.seq, t.seq)
+    layer_acts = 2 * mb * act * (t.seq * (12 * D + 3 * F) if tile == t.seq
+                                 else t.seq * 8 * D + tile * (4 * D + 3 * F))
     attn = (mb * H * t.seq * 4 * 2 if e.attention != "xla" and e.compute_dtype == "bfloat16"
             else 3 * mb * H * t.seq * t.seq * 4)  # flash: row stats; XLA: scores, probs, their grad
     chunk = min(e.loss_chunk, tokens)
@@ -328,7 +384,7 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
   # forward, its re-runs, backward (2x the forward): matmuls and causal attention
   hw_flops = (L * ((6 + 2 * rerun) * block_matmul * tokens
                    + (12 + 4 * rerun) * t.batch * t.seq**2 * H * hd * causal) + 6 * D * V * tokens)
-  ckpt_link = kept * checkpoint if e.activations == "host" else 0
+  ckpt_link = spilled * checkpoint
   # Host groups' weights cross twice (forward, backward; the embedding's backward needs none),
   # stream groups' optimizer state crosses both ways, device groups cross nothing.
   twice = lambda i: 1 + rerun if 0 < i <= L else 1  # blocks' re-runs fetch their weights again
@@ -346,7 +402,7 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
   layers = [Layer(sizes[0], 0.0, 0.0, 0)]
   # A block whose input was not kept has its forward re-run in the backward: (K-1)/K of them.
   layers += [Layer(pc["block"], block_fwd, (3 + (K - 1) / K) * block_fwd,
-                   checkpoint // K if e.activations == "host" else 0)] * L
+                   checkpoint if i % K == 0 and i // K < spilled else 0) for i in range(L)]
   layers += [Layer(sizes[-1], 6 * D * V * tokens / (nd * rates.matmul_tflops * 1e12), 0.0, 0)]
   if not rates.accelerator:  # the CPU backend's "device" memory is host RAM
     host["device memory (CPU backend: host RAM)"] = sum(device.values())
@@ -362,7 +418,8 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
     sched = sched_best = math.inf
   return Plan(P, tuple(tiers), host, device, pinned, step_s, host_limit, device_limit, sched,
               min(sched, sched_best), working is not None, pinned_cap, grad_queue, devices=nd,
-              activations_every=K, device_tier_bytes=sum(4 * sizes[i] + ob[i] for i in dev_g))
+              activations_every=K, activations_on_host=spilled,
+              device_tier_bytes=sum(4 * sizes[i] + ob[i] for i in dev_g))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -596,7 +653,7 @@ def check(plan: Plan) -> None:
         f"({state / GiB:.1f} GiB state of {plan.params / 1e9:.2f}B params + "
         f"{(plan.host_total - state) / GiB:.1f} GiB buffers, "
         f"{plan.device_state_layers} groups' state in device memory), limit "
-        f"{plan.host_limit / GiB:.1f} GiB; use a smaller model, engine.activations=device, "
+        f"{plan.host_limit / GiB:.1f} GiB; use a smaller model, fewer engine.activations on the host, "
         f"optim.clip_mode=recompute, more engine.device_state_layers or a lower engine.grad_queue")
   if not plan.fits_pool:
     raise PlanError(
@@ -608,7 +665,8 @@ def check(plan: Plan) -> None:
     raise PlanError(
         f"does not fit in device memory: needs {plan.device_total / GiB:.1f} GiB (largest: {top} "
         f"{plan.device[top] / GiB:.1f} GiB), limit {plan.device_limit / GiB:.1f} GiB; lower "
-        f"train.batch or engine.micro_batch, use engine.activations=host or fewer "
+        f"train.batch or engine.micro_batch, use engine.activations=auto, "
+        f"engine.activations_every=auto, engine.seq_tile or fewer "
         f"engine.device_state_layers / engine.device_update_layers")
 
 
@@ -631,7 +689,8 @@ def format_plan(plan: Plan) -> str:
             f"schedule, simulated; host AdamW at its best-worst in-step rate; gradient queue "
             f"{plan.grad_queue}" + (f"; every {plan.activations_every}th block's input kept, the "
                                     f"rest re-computed" if plan.activations_every > 1 else "")
-            + ")",
+            + (f"; {plan.activations_on_host} kept inputs in host memory"
+               if plan.activations_on_host else "") + ")",
             "device bytes of the layer executables: " + ("from XLA's analysis of the compiled code"
                                                          if plan.compiled else "estimated")]
   return "\n".join(lines)
@@ -641,6 +700,7 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m mtjax.plan", description=__doc__)
   p.add_argument("--no-device", action="store_true",
                  help="plan without starting the accelerator (device bytes estimated, no device limit)")
+  p.add_argument("--json", help="also write the plan's figures (bytes, seconds) to this path")
   args, cfg = config_lib.parse_cli(p, argv)
   if args.no_device:
     plan = make(cfg, host_limit=host_memory_limit(),
@@ -650,9 +710,25 @@ def main(argv=None) -> int:
       _, plan = prepare(cfg)
     except PlanError as e:
       print(f"refused: {e}", file=sys.stderr)
+      if args.json:
+        Path(args.json).write_text(json.dumps({"refused": str(e)}))
       return 1
   print(format_plan(plan))
+  if args.json:
+    Path(args.json).write_text(json.dumps(plan_summary(plan), indent=1))
   return 0 if plan.fits_host and plan.fits_device else 1
+
+
+def plan_summary(plan: Plan) -> dict:
+  """The plan's main figures as plain JSON values (bytes and seconds; inf as null)."""
+  finite = lambda x: x if math.isfinite(x) else None
+  return {"params": plan.params, "host_bytes": plan.host_total, "device_bytes": plan.device_total,
+          "host": plan.host, "device": plan.device, "host_limit": plan.host_limit,
+          "device_limit": plan.device_limit, "fits": plan.fits_host and plan.fits_device,
+          "schedule_s": finite(plan.schedule_s), "schedule_best_s": finite(plan.schedule_best_s),
+          "roofline_s": plan.step_s, "tiers": list(plan.tiers),
+          "activations_every": plan.activations_every,
+          "activations_on_host": plan.activations_on_host, "compiled": plan.compiled}
 
 
 if __name__ == "__main__":

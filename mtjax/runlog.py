@@ -31,9 +31,9 @@ logger = logging.getLogger("mtjax")
 
 # What the trainer logs per step (all optional but step): seconds, GiB, tokens/s, TFLOP/s.
 FIELDS = ("step", "loss", "held_out_loss", "lr", "grad_norm", "skipped", "tokens", "tokens_per_s",
-          "model_tflops", "step_s", "forward_s", "backward_s", "finish_s", "opt_wait_s",
-          "device_wait_s", "transfer_wait_s",
-          "host_rss_gib", "device_peak_gib", "time")
+          "model_tflops", "tflops_with_attention", "step_s", "forward_s", "backward_s", "finish_s",
+          "opt_wait_s", "device_wait_s", "transfer_wait_s", "host_rss_gib", "device_peak_gib",
+          "time")
 METRICS = "metrics.jsonl"
 TB_DIR = "tb"
 _TB_SUFFIX = ".mtjax"  # only event files with this suffix are ours to rebuild on resume

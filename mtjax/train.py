@@ -186,7 +186,8 @@ def _run(cfg: config_lib.Config, progress: bool, on_plan, json_path: str | None,
   losses, times, evals, skipped_steps = [], [], [], []
   in_a_row, stop, saved = 0, None, None
   bar = tqdm(range(store.step, tc.steps), desc="train", disable=not progress, dynamic_ncols=True)
-  n_params, tokens_per_step = store.n_params, tc.batch * tc.seq
+  tokens_per_step = tc.batch * tc.seq
+  work = plan_lib.flops(cfg)  # FLOPs of one step, with and without attention
   try:
     if tc.eval_every and store.step == 0 and tc.steps > 0:  # the baseline before any update
       evals.append((0, held_out()))
@@ -218,7 +219,8 @@ def _run(cfg: config_lib.Config, progress: bool, on_plan, json_path: str | None,
       record = dict(loss=stats.loss, lr=stats.lr, grad_norm=stats.grad_norm,
                     skipped=stats.skipped, tokens=stats.step * tokens_per_step,
                     tokens_per_s=stats.tokens / stats.step_s,
-                    model_tflops=6 * n_params * stats.tokens / stats.step_s / 1e12,
+                    model_tflops=work["model"] / stats.step_s / 1e12,
+                    tflops_with_attention=work["with_attention"] / stats.step_s / 1e12,
                     step_s=stats.step_s, forward_s=stats.forward_s,
                     backward_s=stats.backward_s, finish_s=stats.finish_s,
                     opt_wait_s=stats.opt_wait_s,
@@ -283,7 +285,8 @@ def _run(cfg: config_lib.Config, progress: bool, on_plan, json_path: str | None,
       "held_out": evals,  # (step, loss) of each evaluation
       "step_s_median": step_s,
       "tokens_per_s": tokens / step_s,
-      "model_tflops": 6 * n * tokens / step_s / 1e12,
+      "model_tflops": work["model"] / step_s / 1e12,
+      "tflops_with_attention": work["with_attention"] / step_s / 1e12,
       "state_bytes_per_param": sum(allocated.values()) / n,
       "state_host_gib": (allocated["host"] + allocated["pinned"]) / 2**30,
       "state_device_gib": allocated["device"] / 2**30,
@@ -298,6 +301,11 @@ def _run(cfg: config_lib.Config, progress: bool, on_plan, json_path: str | None,
       "plan_schedule_best_s": plan.schedule_best_s,
       "device_state_layers": plan.device_state_layers,
       "device_update_layers": plan.device_update_layers,
+      "activations_every": plan.activations_every,
+      "activations_on_host": plan.activations_on_host,
+      "layers": cfg.model.layers,
+      "batch": tc.batch,
+      "seq": tc.seq,
       "checkpoint": None if saved is None else str(saved),
       "run_dir": str(folder),
       "device": str(device),
@@ -331,7 +339,8 @@ def format_summary(s: dict) -> str:
       ("loss", f"{loss(s['first_loss'])} -> {loss(s['final_loss'])}{held} over {s['steps']} "
                f"steps{skipped}"),
       ("speed", f"{s['tokens_per_s']:,.0f} tokens/s, {s['step_s_median']:.3f} s/step (median "
-                f"after the first), {s['model_tflops']:.1f} model TFLOP/s"
+                f"after the first), {s['model_tflops']:.1f} model TFLOP/s "
+                f"({s['tflops_with_attention']:.1f} with attention)"
                 + (f"; plan {s['plan_schedule_best_s']:.3f}-{s['plan_schedule_s']:.3f} s"
                    if accel else "")),
       ("memory", f"peak RSS {s['peak_rss_gib']:.2f} GiB (plan {s['plan_host_gib']:.2f})"

@@ -47,6 +47,7 @@ def configs(draw):
                  loss_chunk=draw(hst.sampled_from([5, 16, 1024])), device_state_layers=n_state,
                  seq_tile=draw(hst.sampled_from([None, 5])),  # tiles that do not divide seq
                  activations_every=draw(hst.sampled_from([1, 2, 3])),
+                 activations=draw(hst.sampled_from(["device", 1, "host"])),  # kept inputs spilled
                  device_update_layers=draw(hst.integers(0, groups - n_state)))
   train = dict(batch=batch, seq=draw(hst.sampled_from([4, 8, 12])))
   return make_cfg(model, engine_, train=train)
@@ -216,6 +217,41 @@ def test_every_kth_block_input_is_kept_and_the_plan_counts_it():
   tight = plan.make(big, device_limit=full.device_total - full.device["saved activations"] // 5)
   assert tight.activations_every > 1 and tight.fits_device
   assert tight.resolve(big).engine.activations_every == tight.activations_every
+
+
+def test_the_first_kept_inputs_spill_to_host_and_the_plan_spills_the_fewest_that_fit():
+  cfg = make_cfg({"layers": 5}, dict(activations_every=2, activations=2))
+  st, eng = new_engine(cfg)
+  saved = eng._forward(eng._inputs(batch_for(cfg)))[3]
+  kinds = [None if x is None else x.sharding.memory_kind for x in saved]
+  device_kind = jax.devices()[0].default_memory().kind
+  assert kinds == ["pinned_host", None, "pinned_host", None, device_kind]  # kept: blocks 0, 2, 4
+  eng.close()
+  from mtjax import plan
+  big = make_cfg({"layers": 12}, dict(activations="auto"), train=dict(batch=64, seq=512))
+  at = lambda n: plan.make(dataclasses.replace(big, engine=dataclasses.replace(big.engine,
+                                                                              activations=n)))
+  full, one = at(0), at(1)
+  ckpt = 64 * 512 * big.model.hidden * {"bfloat16": 2, "float32": 4}[big.engine.compute_dtype]
+  assert full.device["saved activations"] == 12 * ckpt and full.host["activations on host"] == 0
+  assert one.device["saved activations"] == (11 + 2) * ckpt  # two in flight back from the host
+  assert at("host").host["activations on host"] == 12 * ckpt
+  assert plan.make(big, device_limit=10 * full.device_total).activations_on_host == 0
+  limit = full.device_total - 5 * ckpt
+  tight = plan.make(big, device_limit=limit)
+  assert tight.fits_device and tight.activations_every == 1
+  assert tight.activations_on_host == 7  # the fewest: 12 - 7 + 2 = 7 kept on the device
+  assert not at(6).device_total <= limit  # six would not fit
+  assert tight.resolve(big).engine.activations == 7
+  assert tight.host["activations on host"] == 7 * ckpt
+  # both auto: spilling competes with re-running segments on the simulated step
+  both = dataclasses.replace(big, engine=dataclasses.replace(big.engine, activations_every="auto"))
+  chosen = plan.make(both, device_limit=limit)
+  assert chosen.fits_device
+  rivals = [plan.make(dataclasses.replace(big, engine=dataclasses.replace(
+      big.engine, activations_every=k)), device_limit=limit) for k in plan.ACTIVATIONS_EVERY]
+  assert chosen.schedule_s == min(p.schedule_s for p in rivals if p.fits_device)
+  assert (chosen.activations_every, chosen.activations_on_host) != (1, 7)  # here K = 1 loses
 
 
 def test_clipping_is_active_in_the_clip_tests():

@@ -1,0 +1,218 @@
+"""`python benchmarks/long_context.py run|ceiling|table ...`: the long-context table of the README.
+
+  run      one row, in processes of its own: `python -m mtjax.train --json` at batch 1 and the
+           given context length, and, when `--layers` runs a slice of the model, the planner's
+           figures for the whole model at that length (`python -m mtjax.plan --json`):
+             python benchmarks/long_context.py run --out DIR --name 8B \\
+               --config configs/llama3_8b.yaml --seq 262144 [--layers 4] [--steps 2] [key=value ...]
+  ceiling  this machine's bf16 matmul rate (DIR/ceiling.json), what the rows are held against
+  table    the rows in DIR as a markdown table; `--plot PNG` draws tokens/s against context length
+
+Throughput counts attention: `model TF` is 6 x params x tokens per second, `+attn TF` adds the
+causal attention's matmuls (mtjax.plan.flops), `of ceiling` is the latter over the measured
+matmul rate. A slice's whole-model step is extrapolated by FLOPs (attention included; at these
+lengths the blocks are all but the whole step) and printed beside the planner's whole-model figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: the repository root holds mtjax
+  sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mtjax import config as config_lib, plan as plan_lib  # noqa: E402
+
+GiB = 2**30
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _row_path(out: Path, name: str, seq: int, layers: int | None) -> Path:
+  return out / f"{name}_{seq}" f"{'' if layers is None else f'_L{layers}'}.json"
+
+
+def run(args, overrides: list[str]) -> int:
+  out = Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  full = config_lib.load(args.config, overrides)
+  common = [f"train.seq={args.seq}", "train.batch=1", *overrides]
+  train_over = common + [f"train.steps={args.steps}", "train.eval_every=0"]
+  if args.layers is not None:
+    train_over.append(f"model.layers={args.layers}")
+  path = _row_path(out, args.name, args.seq, args.layers)
+  stem = path.with_suffix("")
+  cmd = [sys.executable, "-m", "mtjax.train", "--config", args.config, "--no-progress",
+         "--show-plan", "--json", str(stem) + ".train.json", *train_over]
+  row = {"name": args.name, "config": args.config, "seq": args.seq, "steps": args.steps,
+         "layers": args.layers or full.model.layers, "full_layers": full.model.layers,
+         "overrides": overrides, "command": shlex.join(["python", "benchmarks/long_context.py",
+                                                        *sys.argv[1:]])}
+  t = time.perf_counter()
+  with open(str(stem) + ".log", "w") as log:
+    try:
+      rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout,
+                          cwd=ROOT).returncode
+    except subprocess.TimeoutExpired:
+      rc = 124
+  row["wall_s"], row["rc"] = time.perf_counter() - t, rc
+  summary = Path(str(stem) + ".train.json")
+  row["train"] = json.loads(summary.read_text()) if rc == 0 and summary.exists() else None
+  if args.layers is not None and args.layers != full.model.layers:
+    plan_json = Path(str(stem) + ".plan.json")
+    subprocess.run([sys.executable, "-m", "mtjax.plan", "--config", args.config, "--json",
+                    str(plan_json), *common], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   timeout=args.timeout, cwd=ROOT)
+    row["full_plan"] = json.loads(plan_json.read_text()) if plan_json.exists() else None
+  path.write_text(json.dumps(row, indent=1))
+  print(format_rows([row], _ceiling(out)))
+  return 0 if rc == 0 else 1
+
+
+def _ceiling(out: Path) -> float | None:
+  f = out / "ceiling.json"
+  return json.loads(f.read_text())["matmul_tflops"] if f.exists() else None
+
+
+def ceiling(args) -> int:
+  import jax  # noqa: PLC0415 - the backend starts here, in this mode only
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  from bench import matmul_tflops  # noqa: PLC0415
+  dev = jax.devices()[0]
+  mm = matmul_tflops(dev, n=1024 if dev.platform == "cpu" else 8192)
+  Path(args.out).mkdir(parents=True, exist_ok=True)
+  (Path(args.out) / "ceiling.json").write_text(json.dumps({"matmul_tflops": mm,
+                                                          "device": str(dev)}))
+  print(f"bf16 matmul {mm:.0f} TFLOP/s on {dev}")
+  return 0
+
+
+def whole_model(row: dict) -> dict | None:
+  """A slice's step extrapolated to the whole model by FLOPs (attention included)."""
+  tr = row.get("train")
+  if tr is None or row["layers"] == row["full_layers"]:
+    return None
+  cfg = config_lib.load(row["config"], [f"train.seq={row['seq']}", "train.batch=1",
+                                        *row["overrides"]])
+  slice_cfg = config_lib.load(row["config"], [f"train.seq={row['seq']}", "train.batch=1",
+                                              *row["overrides"], f"model.layers={row['layers']}"])
+  ratio = plan_lib.flops(cfg)["with_attention"] / plan_lib.flops(slice_cfg)["with_attention"]
+  return {"step_s": tr["step_s_median"] * ratio, "tokens_per_s": tr["tokens_per_s"] / ratio}
+
+
+def format_rows(rows: list[dict], mm: float | None) -> str:
+  head = ("| model | context | layers run | step s | tokens/s | model TF | +attn TF | of ceiling "
+          "| device GiB (plan) | host GiB (plan) | whole model: step s, extrapolated (plan) "
+          "| command |")
+  lines = [head, "|" + "---|" * (head.count("|") - 1)]
+  for r in sorted(rows, key=lambda r: (r["name"], r["seq"], r["layers"])):
+    tr = r.get("train")
+    ctx = f"{r['seq'] // 1024}k"
+    layers = f"{r['layers']} of {r['full_layers']}"
+    if tr is None:
+      lines.append(f"| {r['name']} | {ctx} | {layers} | did not run (rc {r['rc']}, "
+                   f"{r['wall_s']:.0f} s) | | | | | | | | `{r['command']}` |")
+      continue
+    first = " (first step)" if r["steps"] < 2 else ""
+    frac = "" if mm is None else f"{tr['tflops_with_attention'] / mm:.0%}"
+    dev = ("" if tr["device_peak_gib"] is None else
+           f"{tr['device_peak_gib']:.1f} ({tr['plan_device_gib']:.1f})")
+    whole = whole_model(r)
+    plan = r.get("full_plan") or {}
+    if whole is None:
+      extra = "(this row)"
+    else:
+      extra = f"{whole['step_s']:.1f}"
+      if plan.get("refused"):
+        extra += " (plan: refused)"
+      elif plan:
+        extra += (f" (plan {plan['schedule_s'] or float('nan'):.1f} s, device "
+                  f"{plan['device_bytes'] / GiB:.1f}, host {plan['host_bytes'] / GiB:.1f} GiB, "
+                  f"K={plan['activations_every']}, {plan['activations_on_host']} on host)")
+    lines.append(
+        f"| {r['name']} | {ctx} | {layers} | {tr['step_s_median']:.2f}{first} | "
+        f"{tr['tokens_per_s']:,.0f} | {tr['model_tflops']:.1f} | {tr['tflops_with_attention']:.1f} "
+        f"| {frac} | {dev} | {tr['peak_rss_gib']:.1f} ({tr['plan_host_gib']:.1f}) | {extra} | "
+        f"`{r['command']}` |")
+  return "\n".join(lines)
+
+
+def table(args) -> int:
+  out = Path(args.out)
+  rows = [json.loads(f.read_text()) for f in sorted(out.glob("*.json"))
+          if not f.name.endswith((".train.json", ".plan.json")) and f.name != "ceiling.json"]
+  mm = _ceiling(out)
+  if mm is not None:
+    print(f"bf16 matmul ceiling: {mm:.0f} TFLOP/s (measured in the same session)\n")
+  print(format_rows(rows, mm))
+  if args.plot:
+    plot(rows, Path(args.plot))
+  return 0
+
+
+def plot(rows: list[dict], path: Path) -> None:
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for name in sorted({r["name"] for r in rows}):
+    pts = []
+    for r in rows:
+      if r["name"] == name and r.get("train"):
+        whole = whole_model(r)
+        pts.append((r["seq"], whole["tokens_per_s"] if whole else r["train"]["tokens_per_s"],
+                    whole is not None))
+    pts.sort()
+    if not pts:
+      continue
+    line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ext = [p for p in pts if p[2]]
+    if ext:
+      ax.plot([p[0] for p in ext], [p[1] for p in ext], marker="o", linestyle="none",
+              markerfacecolor="white", color=line.get_color())
+  ax.set_xscale("log", base=2)
+  ax.set_yscale("log")
+  ax.set_xlabel("context length (tokens, batch 1)")
+  ax.set_ylabel("tokens/s (whole model)")
+  ax.set_title("mtjax on one H200: throughput against context length\n"
+               "(hollow: extrapolated from a slice of the layers)")
+  ax.grid(alpha=0.3, which="both")
+  ax.legend()
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python benchmarks/long_context.py", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = p.add_subparsers(dest="mode", required=True)
+  r = sub.add_parser("run", help="one row")
+  r.add_argument("--out", required=True)
+  r.add_argument("--name", required=True, help="the model's name in the table (1B, 3.37B, 8B)")
+  r.add_argument("--config", required=True)
+  r.add_argument("--seq", type=int, required=True)
+  r.add_argument("--layers", type=int, help="run a slice of this many layers")
+  r.add_argument("--steps", type=int, default=2, help="the first includes compilation")
+  r.add_argument("--timeout", type=float, default=540)
+  c = sub.add_parser("ceiling", help="the matmul ceiling")
+  c.add_argument("--out", required=True)
+  t = sub.add_parser("table", help="the table (and plot) of the rows in --out")
+  t.add_argument("--out", required=True)
+  t.add_argument("--plot")
+  args, rest = p.parse_known_args(argv)
+  if args.mode == "run":
+    return run(args, rest)
+  if rest:
+    p.error(f"unexpected arguments: {rest}")
+  return ceiling(args) if args.mode == "ceiling" else table(args)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
