@@ -177,6 +177,9 @@ def plot(rows: list[dict], path: Path) -> None:
               markerfacecolor="white", color=line.get_color())
   ax.set_xscale("log", base=2)
   ax.set_yscale("log")
+  seqs = sorted({r["seq"] for r in rows})
+  ax.set_xticks(seqs, [f"{s // 1024}k" if s >= 1024 else str(s) for s in seqs])
+  ax.minorticks_off()
   ax.set_xlabel("context length (tokens, batch 1)")
   ax.set_ylabel("tokens/s (whole model)")
   ax.set_title("mtjax on one H200: throughput against context length\n"

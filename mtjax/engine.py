@@ -55,15 +55,19 @@ class LayerFns:
   head_step: callable  # (w_head, w_table | None, x_BxTxD, targets_BxT, weights_BxT) -> (loss, dx, g_head, g_table)
 
 
-def _micro(x, n):
-  """[B, ...] -> [n, B/n, ...], micro-batch k taking rows k, k + n, k + 2n, ...: split over the
-  devices along B, every micro-batch then has its rows on every device."""
+def _micro(x, n, strided=True):
+  """[B, ...] -> [n, B/n, ...]. Strided: micro-batch k takes rows k, k + n, k + 2n, ...: split
+  over the devices along B, every micro-batch then has its rows on every device. On one device
+  the chunks are contiguous (a free reshape: no transposed copy, which at long context is a
+  sequence's worth of activations)."""
+  if not strided:
+    return x.reshape((n, x.shape[0] // n) + x.shape[1:])
   return jnp.swapaxes(x.reshape((x.shape[0] // n, n) + x.shape[1:]), 0, 1)
 
 
-def _unmicro(x):
+def _unmicro(x, strided=True):
   """The inverse of `_micro`: [n, B/n, ...] -> [B, ...]."""
-  return jnp.swapaxes(x, 0, 1).reshape((-1,) + x.shape[2:])
+  return (jnp.swapaxes(x, 0, 1) if strided else x).reshape((-1,) + x.shape[2:])
 
 
 def layer_fns(cfg: ModelConfig, lays: dict[str, Layout], compute_dtype, micro_batch: int | None,
@@ -72,6 +76,7 @@ def layer_fns(cfg: ModelConfig, lays: dict[str, Layout], compute_dtype, micro_ba
   """The layer functions; `micro_batch` counts sequences per chunk on each of `devices`,
   `seq_tile` tokens per tile of a block's per-token work (see model.Block)."""
   cd = compute_dtype
+  strided = devices > 1  # chunks of the batch (micro-batches, loss chunks) span every device
   block = model.Block(cfg, attention, seq_tile)
   head = model.Head(cfg)
   if lays["embed"].paths != (("table",),):
@@ -97,9 +102,9 @@ def layer_fns(cfg: ModelConfig, lays: dict[str, Layout], compute_dtype, micro_ba
     n = n_micro(x_BxTxD)
     if n == 1:
       return apply_block(wc, x_BxTxD, ctx)
-    split = lambda a: _micro(a, n)
+    split = lambda a: _micro(a, n, strided)
     y = jax.lax.map(lambda xs: apply_block(wc, *xs), (split(x_BxTxD), jax.tree.map(split, ctx)))
-    return _unmicro(y)
+    return _unmicro(y, strided)
 
   def block_bwd(w, x_BxTxD, ctx, dy_BxTxD):
     wc = w.astype(cd)
@@ -111,22 +116,22 @@ def layer_fns(cfg: ModelConfig, lays: dict[str, Layout], compute_dtype, micro_ba
       g, dxm = pullback(dym)
       return acc + g.astype(jnp.float32), dxm
 
-    split = lambda a: _micro(a, n)
+    split = lambda a: _micro(a, n, strided)
     g, dx = jax.lax.scan(one, jnp.zeros(w.shape, jnp.float32),
                          (split(x_BxTxD), jax.tree.map(split, ctx), split(dy_BxTxD)))
-    return _unmicro(dx), g, jnp.sum(g * g)
+    return _unmicro(dx, strided), g, jnp.sum(g * g)
 
   def head_step(w_head, w_table, x_BxTxD, targets_BxT, weights_BxT):
     """Weighted loss sum and gradients, one chunk of about `loss_chunk` tokens at a time.
 
-    Chunk k takes tokens k, k + n, k + 2n, ... of the flattened batch (n chunks), so with the batch
-    split over devices every chunk has its tokens on every device."""
+    With several devices chunk k takes tokens k, k + n, k + 2n, ... of the flattened batch (n
+    chunks), so with the batch split over them every chunk has its tokens on every device."""
     B, T, D = x_BxTxD.shape
     N = B * T
     n = -(-N // min(loss_chunk, N))  # chunks
     C = -(-N // n)  # tokens per chunk
     pad = n * C - N
-    chunked = lambda a: _micro(jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)), n)
+    chunked = lambda a: _micro(jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)), n, strided)
     x_NxD, t_N = x_BxTxD.reshape(N, D), targets_BxT.reshape(N)
     wt_N = weights_BxT.reshape(N)  # padding weighs 0
 
@@ -146,7 +151,7 @@ def layer_fns(cfg: ModelConfig, lays: dict[str, Layout], compute_dtype, micro_ba
     init = (jnp.zeros(w_head.shape, jnp.float32),
             None if w_table is None else jnp.zeros(w_table.shape, jnp.float32))
     (gh, gt), (losses, dx) = jax.lax.scan(one, init, (chunked(x_NxD), chunked(t_N), chunked(wt_N)))
-    dx = _unmicro(dx)[:N].reshape(B, T, D)
+    dx = _unmicro(dx, strided)[:N].reshape(B, T, D)
     return jnp.sum(losses), dx, gh, gt
 
   return LayerFns(embed_fwd, embed_bwd, block_fwd, block_bwd, head_step)

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Issue 11's context-length table (README "Long context"), two device calls of under 10 minutes:
+#   bash benchmarks/h200_context.sh 8b      Llama-3-8B: 256k whole (one step), 512k and 1M on slices
+#   bash benchmarks/h200_context.sh table   1B, 3.37B and 8B from 32k (slices where a step is long)
+# Each row is `benchmarks/long_context.py run` (its own processes); the table and the plot are
+# rebuilt from every row in OUT after each call.
+set -uo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=$(realpath "${OUT:-benchmarks/results/context}")
+mkdir -p "$OUT"
+LC="python3 benchmarks/long_context.py"
+LONG="engine.activations=auto engine.activations_every=auto engine.micro_batch=null"
+row() { echo "== $(date +%T) $*"; $LC run --out "$OUT" "$@" | tail -1; }
+case ${1:-table} in
+  8b)
+    $LC ceiling --out "$OUT"
+    row --name 8B --config configs/llama3_8b.yaml --seq 262144 --steps 1 --timeout 320
+    row --name 8B --config configs/llama3_8b.yaml --seq 524288 --layers 2 --timeout 130
+    row --name 8B --config configs/llama3_8b.yaml --seq 1048576 --layers 1 --steps 1 --timeout 120
+    ;;
+  table)
+    [ -f "$OUT/ceiling.json" ] || $LC ceiling --out "$OUT"
+    row --name 1B --config configs/llama_1b.yaml --seq 32768 --timeout 60 $LONG
+    row --name 1B --config configs/llama_1b.yaml --seq 131072 --timeout 80 $LONG
+    row --name 1B --config configs/llama_1b.yaml --seq 524288 --layers 2 --timeout 80 $LONG
+    row --name 3.37B --config configs/llama_3b.yaml --seq 32768 --layers 2 --timeout 50 $LONG
+    row --name 3.37B --config configs/llama_3b.yaml --seq 131072 --layers 2 --timeout 60 $LONG
+    row --name 3.37B --config configs/llama_3b.yaml --seq 524288 --layers 2 --timeout 110 $LONG
+    row --name 8B --config configs/llama3_8b.yaml --seq 32768 --layers 2 --timeout 50
+    row --name 8B --config configs/llama3_8b.yaml --seq 131072 --layers 2 --timeout 60
+    ;;
+esac
+echo "== $(date +%T) table"
+$LC table --out "$OUT" --plot "$OUT/context.png" | tee "$OUT/table.md"
