@@ -52,11 +52,6 @@ class Ctx:
   def default(cls, B: int, T: int) -> "Ctx":
     return cls(jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], (B, T)))
 
-  def micro(self, n: int) -> "Ctx":
-    """[B, T] -> [n, B/n, T] on every field, for lax.map / scan over micro-batches."""
-    split = lambda a: a.reshape((n, a.shape[0] // n) + a.shape[1:])
-    return jax.tree.map(split, self)
-
 
 def apply_rope(x_BxTxNxH: jax.Array, inv_freq: jax.Array, positions_BxT: jax.Array | None = None
                ) -> jax.Array:
