@@ -210,11 +210,12 @@ def run_engine(cfg, batches, warmup, steps, trace_path=None, overlap=True):
 
 
 def device_compute_s(cfg, batch, reps=3) -> float:
-  """Forward + backward through the same compiled layers with every group's weights resident in
-  device memory (nothing crosses the link): the time the GPU needs for its own work, so
-  1 - this / step_s is its idle share."""
+  """Forward + backward through the same compiled layers with every group's weights in device
+  memory (nothing crosses the link): the time the GPU needs for its own work, so 1 - this /
+  step_s is its idle share. The groups are device-tier with a stateless optimizer (plain SGD, no
+  update is made): weights only, 4 B/param."""
   G = cfg.model.layers + 2
-  st = store_lib.create(cfg, jax.random.key(cfg.train.seed), ["stream"] * G)
+  st = store_lib.create(cfg, jax.random.key(cfg.train.seed), ["device"] * G, tx=optax.sgd(0.0))
   eng = Engine(cfg, st)
 
   def once():

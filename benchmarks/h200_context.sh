@@ -15,8 +15,8 @@ case ${1:-table} in
   8b)
     $LC ceiling --out "$OUT"
     row --name 8B --config configs/llama3_8b.yaml --seq 262144 --steps 1 --timeout 320
-    row --name 8B --config configs/llama3_8b.yaml --seq 524288 --layers 2 --timeout 130
-    row --name 8B --config configs/llama3_8b.yaml --seq 1048576 --layers 1 --steps 1 --timeout 120
+    row --name 8B --config configs/llama3_8b.yaml --seq 524288 --layers 2 --timeout 130 --plan-timeout 50
+    row --name 8B --config configs/llama3_8b.yaml --seq 1048576 --layers 1 --steps 1 --timeout 110 --plan-timeout 50
     ;;
   table)
     [ -f "$OUT/ceiling.json" ] || $LC ceiling --out "$OUT"

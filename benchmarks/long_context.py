@@ -47,6 +47,8 @@ def run(args, overrides: list[str]) -> int:
     train_over.append(f"model.layers={args.layers}")
   path = _row_path(out, args.name, args.seq, args.layers)
   stem = path.with_suffix("")
+  for old in (path, Path(str(stem) + ".train.json"), Path(str(stem) + ".plan.json")):
+    old.unlink(missing_ok=True)  # never a stale figure beside a fresh one
   cmd = [sys.executable, "-m", "mtjax.train", "--config", args.config, "--no-progress",
          "--show-plan", "--json", str(stem) + ".train.json", *train_over]
   row = {"name": args.name, "config": args.config, "seq": args.seq, "steps": args.steps,
@@ -65,9 +67,12 @@ def run(args, overrides: list[str]) -> int:
   row["train"] = json.loads(summary.read_text()) if rc == 0 and summary.exists() else None
   if args.layers is not None and args.layers != full.model.layers:
     plan_json = Path(str(stem) + ".plan.json")
-    subprocess.run([sys.executable, "-m", "mtjax.plan", "--config", args.config, "--json",
-                    str(plan_json), *common], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   timeout=args.timeout, cwd=ROOT)
+    try:  # the whole model's plan: its layers compiled at this length, nothing allocated
+      subprocess.run([sys.executable, "-m", "mtjax.plan", "--config", args.config, "--json",
+                      str(plan_json), *common], stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL, timeout=args.plan_timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+      pass
     row["full_plan"] = json.loads(plan_json.read_text()) if plan_json.exists() else None
   path.write_text(json.dumps(row, indent=1))
   print(format_rows([row], _ceiling(out)))
@@ -203,7 +208,9 @@ def main(argv=None) -> int:
   r.add_argument("--seq", type=int, required=True)
   r.add_argument("--layers", type=int, help="run a slice of this many layers")
   r.add_argument("--steps", type=int, default=2, help="the first includes compilation")
-  r.add_argument("--timeout", type=float, default=540)
+  r.add_argument("--timeout", type=float, default=540, help="seconds for the training run")
+  r.add_argument("--plan-timeout", type=float, default=90,
+                 help="seconds for the whole model's plan (slices only)")
   c = sub.add_parser("ceiling", help="the matmul ceiling")
   c.add_argument("--out", required=True)
   t = sub.add_parser("table", help="the table (and plot) of the rows in --out")

@@ -72,11 +72,12 @@ def _unmicro(x, strided=True):
 
 def layer_fns(cfg: ModelConfig, lays: dict[str, Layout], compute_dtype, micro_batch: int | None,
               loss_chunk: int, attention: str | None = None, devices: int = 1,
-              seq_tile: int | None = None) -> LayerFns:
+              seq_tile: int | None = None, strided: bool | None = None) -> LayerFns:
   """The layer functions; `micro_batch` counts sequences per chunk on each of `devices`,
-  `seq_tile` tokens per tile of a block's per-token work (see model.Block)."""
+  `seq_tile` tokens per tile of a block's per-token work (see model.Block). `strided` (default:
+  several devices) splits micro-batches and loss chunks so that each spans every device."""
   cd = compute_dtype
-  strided = devices > 1  # chunks of the batch (micro-batches, loss chunks) span every device
+  strided = devices > 1 if strided is None else strided
   block = model.Block(cfg, attention, seq_tile)
   head = model.Head(cfg)
   if lays["embed"].paths != (("table",),):
@@ -580,7 +581,8 @@ def compiled_memory(cfg: Config, device: jax.Device | None = None, devices: int 
   lays = layouts(m)
   cd = DTYPES[e.compute_dtype]
   fns = layer_fns(m, lays, cd, e.micro_batch, e.loss_chunk,
-                  attention_impl(e.attention, device, e.compute_dtype, m, t.seq), 1, e.seq_tile)
+                  attention_impl(e.attention, device, e.compute_dtype, m, t.seq), 1, e.seq_tile,
+                  strided=devices > 1)
   sh = jax.sharding.SingleDeviceSharding(device)
   S = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
   B, T, D = max(1, t.batch // devices), t.seq, m.hidden

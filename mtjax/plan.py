@@ -215,13 +215,16 @@ def _checkpoints(cfg: config_lib.Config, make_plan) -> Plan:
 
   `activations_every: auto` alone keeps every block's input while the device holds them, else the
   fewest kept that fit. `activations: auto` spills the fewest kept inputs to pinned host memory
-  that make the device fit (copied out in the forward and back in the backward, overlapped with
-  compute); with both auto, each K's fewest spills that fit both memories compete on the
-  simulated step (spilling costs link time, re-running a segment costs compute), the search ending
-  at the first K that needs no spill (a larger one only re-computes more)."""
+  that make both memories fit (copied out in the forward and back in the backward, overlapped with
+  compute); with both auto, each K's fewest spills compete on the simulated step (spilling costs
+  link time, re-running a segment costs compute), the search ending at the first K that needs no
+  spill (a larger one only re-computes more). Spill counts are tried from 0 up: device bytes need
+  not fall as more are spilled, since host bytes grow and `device_state_layers: auto` may then move
+  state to the device."""
   e, L = cfg.engine, cfg.model.layers
   with_ = lambda k, a: make_plan(dataclasses.replace(cfg, engine=dataclasses.replace(
       e, activations_every=k, activations=a)))
+  fits = lambda p: p.fits_device and p.fits_host and p.fits_pool
   best = plan = None
   for k in ACTIVATIONS_EVERY if e.activations_every == "auto" else (e.activations_every,):
     if e.activations != "auto":
@@ -229,20 +232,13 @@ def _checkpoints(cfg: config_lib.Config, make_plan) -> Plan:
       if plan.fits_device:
         return plan
       continue
-    kept = -(-L // k)
-    plan = with_(k, 0)
-    if not plan.fits_device:
-      # device bytes fall as inputs are spilled (the first spill adds two in flight): bisection
-      lo, hi = 0, kept  # lo does not fit; hi is checked below
-      if with_(k, hi).fits_device:
-        while hi - lo > 1:
-          mid = (lo + hi) // 2
-          lo, hi = (lo, mid) if with_(k, mid).fits_device else (mid, hi)
-      plan = with_(k, hi)
-    if (plan.fits_device and plan.fits_host and plan.fits_pool
-        and (best is None or plan.schedule_s < best.schedule_s)):
+    for n in range(-(-L // k) + 1):
+      plan = with_(k, n)
+      if fits(plan):
+        break
+    if fits(plan) and (best is None or plan.schedule_s < best.schedule_s):
       best = plan
-    if best is plan and plan.activations_on_host == 0:
+    if best is not None and best.activations_on_host == 0:
       break
   return best or plan
 
@@ -593,7 +589,16 @@ def prepare(cfg: config_lib.Config, host_limit: int | None = None
       os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{frac:.4f}")
       limit = int(total * float(os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"]))
     first = make(first_cfg, host_limit, limit, Rates(accelerator=total is not None))
-    configure_pinned_pool(first)
+    pinned = first.pinned
+    if cfg.engine.activations == "auto" and host_limit is not None:
+      # The compiled layers' device bytes (known only once the backend runs) may ask for more
+      # spilled inputs than this estimate: the cap leaves room for up to all kept inputs, within
+      # the host memory the plan leaves free.
+      every_one = make(dataclasses.replace(first_cfg, engine=dataclasses.replace(
+          first_cfg.engine, activations_every=first.activations_every, activations="host")),
+                       host_limit, limit, Rates(accelerator=total is not None))
+      pinned = max(pinned, min(every_one.pinned, pinned + host_limit - first.host_total))
+    configure_pinned_pool(pinned)
   device = jax.local_devices()[0]
   accel = device.platform != "cpu"
   n = devices_of(cfg, len(jax.local_devices()))
@@ -637,11 +642,11 @@ def probe_device_count() -> int | None:
   return len(out.stdout.split()) if out.returncode == 0 and out.stdout.strip() else None
 
 
-def configure_pinned_pool(plan: Plan) -> None:
-  """Caps XLA's pinned host pool near what the run pins. The pool grows in doubling regions up to
-  its cap, so a loose cap can pin up to twice what is used; a user's own setting wins. Must run
-  before the jax backend starts."""
-  os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(pinned_pool_bytes(plan.pinned) // GiB))
+def configure_pinned_pool(pinned: int) -> None:
+  """Caps XLA's pinned host pool near `pinned`, the bytes the run pins. The pool grows in doubling
+  regions up to its cap, so a loose cap can pin up to twice what is used; a user's own setting
+  wins. Must run before the jax backend starts."""
+  os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(pinned_pool_bytes(pinned) // GiB))
 
 
 def check(plan: Plan) -> None:

@@ -247,7 +247,7 @@ def test_the_first_kept_inputs_spill_to_host_and_the_plan_spills_the_fewest_that
   # both auto: spilling competes with re-running segments on the simulated step
   both = dataclasses.replace(big, engine=dataclasses.replace(big.engine, activations_every="auto"))
   chosen = plan.make(both, device_limit=limit)
-  assert chosen.fits_device
+  assert chosen.fits_device and chosen.fits_host
   rivals = [plan.make(dataclasses.replace(big, engine=dataclasses.replace(
       big.engine, activations_every=k)), device_limit=limit) for k in plan.ACTIVATIONS_EVERY]
   assert chosen.schedule_s == min(p.schedule_s for p in rivals if p.fits_device)

@@ -1,5 +1,6 @@
 """The planner: its figures against real allocations, and refusal before anything is allocated."""
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -258,3 +259,25 @@ def test_grad_queue_auto_deepens_the_queue_only_where_the_host_optimizer_is_behi
   small = plan.make(config.load(CONFIGS / "llama_3b.yaml", ["engine.grad_queue=auto",
                                                             "train.batch=32"]), **limits)
   assert small.grad_queue <= 4
+
+
+def test_activations_auto_spills_the_fewest_inputs_that_fit_both_memories():
+  """Llama-3-8B at 256k tokens, 128 GiB of host and 110 GiB of device memory: spilling block
+  inputs fills the host until the placement moves state to the device, so device bytes are not
+  monotone in the spill count; the planner still finds the fewest spills that fit."""
+  cfg = config.load(CONFIGS / "llama3_8b.yaml", ["train.seq=262144"])
+  limits = dict(host_limit=128 * 2**30, device_limit=110 * 2**30)
+  with_ = lambda **e: dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, **e))
+  fits = lambda p: p.fits_host and p.fits_device and p.fits_pool
+  spill = lambda k, n: plan.make(with_(activations_every=k, activations=n), **limits)
+  assert not fits(spill(1, 32)) and spill(1, 32).device_state_layers > 0  # all spilled: no fit
+  chosen = plan.make(with_(activations_every=1), **limits)
+  assert fits(chosen) and chosen.activations_on_host > 0
+  assert not fits(spill(1, chosen.activations_on_host - 1))
+  assert chosen.resolve(cfg).engine.activations == chosen.activations_on_host
+  # both auto: no K's fewest fitting spill simulates a shorter step than the choice
+  both = plan.make(cfg, **limits)
+  assert fits(both)
+  for k in plan.ACTIVATIONS_EVERY:
+    first = next((p for p in (spill(k, n) for n in range(-(-32 // k) + 1)) if fits(p)), None)
+    assert first is None or first.schedule_s >= both.schedule_s
