@@ -30,6 +30,6 @@ if ls .whl/deepspeed-*.whl >/dev/null 2>&1; then
   grep -v "^\[" $OUT/deepspeed_b$BATCH.log | tail -3 | tee -a $OUT/issue9_b$BATCH.log
 fi
 stamp "this engine, device capped at 24 GiB"
-timeout 170 python3 benchmarks/bench.py $ARGS --no-idle --variant "$AUTO" --out $OUT/issue9.json \
-  engine.device_memory_gb=24 2>&1 | quiet | tee -a $OUT/issue9_b$BATCH.log | tail -6
+timeout 170 python3 benchmarks/bench.py --no-idle --variant "$AUTO" --out $OUT/issue9.json \
+  $ARGS engine.device_memory_gb=24 2>&1 | quiet | tee -a $OUT/issue9_b$BATCH.log | tail -6
 stamp "end"

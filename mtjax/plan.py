@@ -589,16 +589,7 @@ def prepare(cfg: config_lib.Config, host_limit: int | None = None
       os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{frac:.4f}")
       limit = int(total * float(os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"]))
     first = make(first_cfg, host_limit, limit, Rates(accelerator=total is not None))
-    pinned = first.pinned
-    if cfg.engine.activations == "auto" and host_limit is not None:
-      # The compiled layers' device bytes (known only once the backend runs) may ask for more
-      # spilled inputs than this estimate: the cap leaves room for up to all kept inputs, within
-      # the host memory the plan leaves free.
-      every_one = make(dataclasses.replace(first_cfg, engine=dataclasses.replace(
-          first_cfg.engine, activations_every=first.activations_every, activations="host")),
-                       host_limit, limit, Rates(accelerator=total is not None))
-      pinned = max(pinned, min(every_one.pinned, pinned + host_limit - first.host_total))
-    configure_pinned_pool(pinned)
+    configure_pinned_pool(first.pinned)
   device = jax.local_devices()[0]
   accel = device.platform != "cpu"
   n = devices_of(cfg, len(jax.local_devices()))
