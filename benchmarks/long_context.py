@@ -63,6 +63,7 @@ def run(args, overrides: list[str]) -> int:
     except subprocess.TimeoutExpired:
       rc = 124
   row["wall_s"], row["rc"] = time.perf_counter() - t, rc
+  row["ceiling_tflops"] = _ceiling(out)  # measured in the same device call, if it was
   summary = Path(str(stem) + ".train.json")
   row["train"] = json.loads(summary.read_text()) if rc == 0 and summary.exists() else None
   if args.layers is not None and args.layers != full.model.layers:
@@ -98,16 +99,30 @@ def ceiling(args) -> int:
 
 
 def whole_model(row: dict) -> dict | None:
-  """A slice's step extrapolated to the whole model by FLOPs (attention included)."""
+  """A slice's step extrapolated to the whole model by FLOPs (attention included): the blocks'
+  share scaled by the layer count and by the re-run forwards of the whole model's plan (keeping
+  every K-th input re-runs (K-1)/K of the blocks' forward once more: 4 + (K-1)/K forward-equivalents
+  a block instead of 4), the embedding's and head's share as measured."""
   tr = row.get("train")
   if tr is None or row["layers"] == row["full_layers"]:
     return None
-  cfg = config_lib.load(row["config"], [f"train.seq={row['seq']}", "train.batch=1",
-                                        *row["overrides"]])
-  slice_cfg = config_lib.load(row["config"], [f"train.seq={row['seq']}", "train.batch=1",
-                                              *row["overrides"], f"model.layers={row['layers']}"])
-  ratio = plan_lib.flops(cfg)["with_attention"] / plan_lib.flops(slice_cfg)["with_attention"]
-  return {"step_s": tr["step_s_median"] * ratio, "tokens_per_s": tr["tokens_per_s"] / ratio}
+  over = [f"train.seq={row['seq']}", "train.batch=1", *row["overrides"]]
+  full = config_lib.load(row["config"], over)
+  part = config_lib.load(row["config"], over + [f"model.layers={row['layers']}"])
+  blocks = lambda c: plan_lib.flops(c)["with_attention"] - _ends(c)
+  rerun = lambda k: (4 + (k - 1) / k) / 4
+  k_full = (row.get("full_plan") or {}).get("activations_every") or 1
+  work_full = blocks(full) * rerun(k_full) + _ends(full)
+  work_part = blocks(part) * rerun(tr.get("activations_every") or 1) + _ends(part)
+  ratio = work_full / work_part
+  return {"step_s": tr["step_s_median"] * ratio, "tokens_per_s": tr["tokens_per_s"] / ratio,
+          "activations_every": k_full}
+
+
+def _ends(cfg) -> float:
+  """Model FLOPs of the embedding and the head (6 x their parameters x tokens)."""
+  pc = plan_lib.param_counts(cfg.model)
+  return 6.0 * (pc["embed"] + pc["head"]) * cfg.train.batch * cfg.train.seq
 
 
 def format_rows(rows: list[dict], mm: float | None) -> str:
@@ -117,14 +132,15 @@ def format_rows(rows: list[dict], mm: float | None) -> str:
   lines = [head, "|" + "---|" * (head.count("|") - 1)]
   for r in sorted(rows, key=lambda r: (r["name"], r["seq"], r["layers"])):
     tr = r.get("train")
-    ctx = f"{r['seq'] // 1024}k"
+    ctx = f"{r['seq'] // 1024}k" if r["seq"] >= 1024 else str(r["seq"])
     layers = f"{r['layers']} of {r['full_layers']}"
     if tr is None:
       lines.append(f"| {r['name']} | {ctx} | {layers} | did not run (rc {r['rc']}, "
                    f"{r['wall_s']:.0f} s) | | | | | | | | `{r['command']}` |")
       continue
     first = " (first step)" if r["steps"] < 2 else ""
-    frac = "" if mm is None else f"{tr['tflops_with_attention'] / mm:.0%}"
+    ceil = r.get("ceiling_tflops") or mm  # the row's own call's ceiling, else the folder's
+    frac = "" if ceil is None else f"{tr['tflops_with_attention'] / ceil:.0%}"
     dev = ("" if tr["device_peak_gib"] is None else
            f"{tr['device_peak_gib']:.1f} ({tr['plan_device_gib']:.1f})")
     whole = whole_model(r)
@@ -182,7 +198,7 @@ def plot(rows: list[dict], path: Path) -> None:
               markerfacecolor="white", color=line.get_color())
   ax.set_xscale("log", base=2)
   ax.set_yscale("log")
-  seqs = sorted({r["seq"] for r in rows})
+  seqs = sorted({r["seq"] for r in rows if r.get("train")})
   ax.set_xticks(seqs, [f"{s // 1024}k" if s >= 1024 else str(s) for s in seqs])
   ax.minorticks_off()
   ax.set_xlabel("context length (tokens, batch 1)")

@@ -53,3 +53,27 @@ def test_tracer_survives_an_array_donated_before_it_is_watched():
   tracer.issued("h2d", 1, "bwd", kept)  # the lane's watcher must still see this one
   tracer.close()
   assert [e[1] for e in tracer.events] == [0, 1]
+
+
+def test_long_context_rows_extrapolate_a_slice_and_plan_the_whole_model(tmp_path, capsys):
+  """One slice row of the long-context table on the CPU: the training run, the whole model's
+  plan beside it, and the extrapolation by FLOPs (attention included, the ends as measured)."""
+  import long_context  # noqa: PLC0415
+  from mtjax import config, plan  # noqa: PLC0415
+  over = ["model.layers=3", "engine.activations=auto"]
+  assert long_context.main(["run", "--out", str(tmp_path), "--name", "tiny", "--config", str(TINY),
+                            "--seq", "128", "--layers", "1", "--steps", "2", *over]) == 0
+  row = json.loads((tmp_path / "tiny_128_L1.json").read_text())
+  assert row["train"]["seq"] == 128 and row["train"]["layers"] == 1 and row["full_layers"] == 3
+  assert row["full_plan"]["fits"] and row["full_plan"]["params"] == plan.param_counts(
+      config.load(TINY, ["model.layers=3"]).model)["total"]
+  # a block's share triples (K = 1 in both), the embedding's and head's stays
+  cfg = lambda layers: config.load(TINY, ["train.seq=128", "train.batch=1", f"model.layers={layers}"])
+  f = lambda layers: plan.flops(cfg(layers))["with_attention"]
+  block = f(2) - f(1)
+  ratio = (3 * block + f(1) - block) / f(1)
+  assert long_context.whole_model(row)["step_s"] == pytest.approx(
+      row["train"]["step_s_median"] * ratio)
+  capsys.readouterr()
+  assert long_context.main(["table", "--out", str(tmp_path)]) == 0
+  assert "| tiny | 128 | 1 of 3 |" in capsys.readouterr().out
