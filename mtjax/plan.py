@@ -74,6 +74,9 @@ def flops(cfg: config_lib.Config) -> dict[str, float]:
 class Rates:
   """Machine rates for the step-time prediction (defaults: the lent H200 box, measured)."""
   matmul_tflops: float = 600.0  # bf16 dense matmul through jax.jit
+  # cuDNN's fused causal attention, forward and backward, bf16, head_dim 128: 465-476 TFLOP/s
+  # measured on the H200 at 128k-512k tokens (benchmarks/results/session6/context)
+  attention_tflops: float = 470.0
   h2d_gbps: float = 53.0  # pinned host -> device
   d2h_gbps: float = 53.0  # device -> pinned host
   # The fused in-place AdamW alone, 16 cores (4.4-5.6 Gparam/s measured): the roofline's figure.
@@ -377,9 +380,14 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
   block_matmul = pc["block"] - 2 * D - (H * hd + 2 * m.n_kv_heads * hd if m.qkv_bias else 0)
   causal = 0.5 if e.compute_dtype == "bfloat16" and e.attention != "xla" else 1.0
   rerun = 1 + (K - 1) / K  # a block's forward runs again in the backward: once, or twice in a segment
+  # Seconds for matmul FLOPs and attention FLOPs: a fused (flash) attention kernel runs below the
+  # dense matmul rate; XLA's attention is plain matmuls.
+  attn_rate = rates.attention_tflops if causal < 1 else rates.matmul_tflops
+  seconds = lambda matmul, attn: (matmul / rates.matmul_tflops + attn / attn_rate) / (nd * 1e12)
+  attn_fwd = 4 * t.batch * t.seq**2 * H * hd * causal  # scores and values, one block's forward
   # forward, its re-runs, backward (2x the forward): matmuls and causal attention
-  hw_flops = (L * ((6 + 2 * rerun) * block_matmul * tokens
-                   + (12 + 4 * rerun) * t.batch * t.seq**2 * H * hd * causal) + 6 * D * V * tokens)
+  compute_s = seconds(L * (6 + 2 * rerun) * block_matmul * tokens + 6 * D * V * tokens,
+                      L * (3 + rerun) * attn_fwd)
   ckpt_link = spilled * checkpoint
   # Host groups' weights cross twice (forward, backward; the embedding's backward needs none),
   # stream groups' optimizer state crosses both ways, device groups cross nothing.
@@ -388,13 +396,12 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
   d2h = 4 * sum(sizes[i] for i in host_g) + sum(ob[i] for i in stream_g) + ckpt_link
   host_updated = sum(sizes[i] for i in host_g)
   step_s = {
-      "compute": hw_flops / (nd * rates.matmul_tflops * 1e12),
+      "compute": compute_s,
       "host->device": h2d / (rates.h2d_gbps * 1e9),
       "device->host": d2h / (rates.d2h_gbps * 1e9),
       "host optimizer": host_updated / (rates.host_adamw_gparams * 1e9),
   }
-  block_fwd = (2 * block_matmul * tokens + 4 * t.batch * t.seq**2 * H * hd * causal) / (
-      nd * rates.matmul_tflops * 1e12)
+  block_fwd = seconds(2 * block_matmul * tokens, attn_fwd)
   layers = [Layer(sizes[0], 0.0, 0.0, 0)]
   # A block whose input was not kept has its forward re-run in the backward: (K-1)/K of them.
   layers += [Layer(pc["block"], block_fwd, (3 + (K - 1) / K) * block_fwd,
