@@ -10,8 +10,8 @@
 
 Throughput counts attention: `model TF` is 6 x params x tokens per second, `+attn TF` adds the
 causal attention's matmuls (mtjax.plan.flops), `of ceiling` is the latter over the measured
-matmul rate. A slice's whole-model step is extrapolated by FLOPs (attention included; at these
-lengths the blocks are all but the whole step) and printed beside the planner's whole-model figures.
+matmul rate. A slice's whole-model step is extrapolated by the planner's ratio of whole-model to slice step
+(`whole_model`) and printed beside the planner's whole-model figures.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: the repository root holds mtjax
   sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mtjax import config as config_lib, plan as plan_lib  # noqa: E402
+from mtjax import config as config_lib  # noqa: E402
 
 GiB = 2**30
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,30 +99,17 @@ def ceiling(args) -> int:
 
 
 def whole_model(row: dict) -> dict | None:
-  """A slice's step extrapolated to the whole model by FLOPs (attention included): the blocks'
-  share scaled by the layer count and by the re-run forwards of the whole model's plan (keeping
-  every K-th input re-runs (K-1)/K of the blocks' forward once more: 4 + (K-1)/K forward-equivalents
-  a block instead of 4), the embedding's and head's share as measured."""
-  tr = row.get("train")
-  if tr is None or row["layers"] == row["full_layers"]:
+  """A slice's step extrapolated to the whole model: the measured step times the ratio of the
+  planner's simulated steps, whole model over slice (the same planner, run in the same device
+  call). The planner times each part at its own rate (blocks' matmuls and attention, their re-run
+  forwards under the whole model's activations_every, the embedding and the head), which a ratio
+  of FLOPs would not: the head's matmuls run faster than attention."""
+  tr, plan = row.get("train"), row.get("full_plan") or {}
+  if tr is None or row["layers"] == row["full_layers"] or not plan.get("schedule_s"):
     return None
-  over = [f"train.seq={row['seq']}", "train.batch=1", *row["overrides"]]
-  full = config_lib.load(row["config"], over)
-  part = config_lib.load(row["config"], over + [f"model.layers={row['layers']}"])
-  blocks = lambda c: plan_lib.flops(c)["with_attention"] - _ends(c)
-  rerun = lambda k: (4 + (k - 1) / k) / 4
-  k_full = (row.get("full_plan") or {}).get("activations_every") or 1
-  work_full = blocks(full) * rerun(k_full) + _ends(full)
-  work_part = blocks(part) * rerun(tr.get("activations_every") or 1) + _ends(part)
-  ratio = work_full / work_part
+  ratio = plan["schedule_s"] / tr["plan_schedule_s"]
   return {"step_s": tr["step_s_median"] * ratio, "tokens_per_s": tr["tokens_per_s"] / ratio,
-          "activations_every": k_full}
-
-
-def _ends(cfg) -> float:
-  """Model FLOPs of the embedding and the head (6 x their parameters x tokens)."""
-  pc = plan_lib.param_counts(cfg.model)
-  return 6.0 * (pc["embed"] + pc["head"]) * cfg.train.batch * cfg.train.seq
+          "activations_every": plan["activations_every"]}
 
 
 def format_rows(rows: list[dict], mm: float | None) -> str:
