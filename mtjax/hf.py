@@ -406,9 +406,13 @@ def _write_safetensors(path: Path, items: list[tuple[str, str, np.ndarray]]):
       f.write(np.ascontiguousarray(arr).data)
 
 
+MAX_SHARD_BYTES = 5 << 30  # tensor bytes per exported shard (held in memory until written)
+
+
 def export(out_dir: str | os.PathLike, cfg: ModelConfig, layouts: dict[str, Layout],
            groups: Iterable[tuple[str, np.ndarray]], dtype: str = "bfloat16",
-           source_dir: str | os.PathLike | None = None, max_shard_bytes: int = 5 << 30) -> Path:
+           source_dir: str | os.PathLike | None = None, max_shard_bytes: int = MAX_SHARD_BYTES
+           ) -> Path:
   """Writes a Hugging Face model directory from flat fp32 groups, streamed one group at a time.
 
   Args:

@@ -70,6 +70,23 @@ def flops(cfg: config_lib.Config) -> dict[str, float]:
           "with_attention": float(model + attention)}
 
 
+def hf_staging_bytes(cfg: config_lib.Config) -> int:
+  """Host bytes a Hugging Face import (`model.from_hf`, at the start) or export
+  (`train.export_dir`, at the end) holds beside the state, the larger of the two. The import
+  writes one group at a time (a group's fp32 buffer, its tensors read through memory maps in
+  chunks); the export gathers up to one shard of tensors in the export dtype before writing it,
+  beside one group's fp32 weights copied from its tier."""
+  from mtjax import hf  # noqa: PLC0415 - numpy and the safetensors format only; no backend
+  pc = param_counts(cfg.model)
+  group = 4 * max(pc["embed"], pc["block"], pc["head"])
+  imported = group if cfg.model.from_hf else 0
+  exported = 0
+  if cfg.train.export_dir:
+    width = 2 if cfg.train.export_dtype == "bfloat16" else 4
+    exported = min(hf.MAX_SHARD_BYTES, width * pc["total"]) + group
+  return max(imported, exported)
+
+
 @dataclasses.dataclass(frozen=True)
 class Rates:
   """Machine rates for the step-time prediction (defaults: the lent H200 box, measured)."""
@@ -330,6 +347,7 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
       "stream staging": 2 * (4 * largest_stream + largest_stream_opt) if stream_g else 0,
       "device-tier staging (sync, checkpoints)": 4 * largest_dev if dev_g else 0,
       "activations on host": spilled * checkpoint,
+      "import / export staging (start / end)": hf_staging_bytes(cfg),
       "runtime": RUNTIME_HOST_BYTES if rates.accelerator else RUNTIME_HOST_BYTES_CPU,
       "device-tier host allowance (measured)": int(DEVICE_TIER_HOST_SHARE * sum(
           4 * sizes[i] + ob[i] for i in dev_g)) if rates.accelerator else 0,

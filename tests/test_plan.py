@@ -281,3 +281,20 @@ def test_activations_auto_spills_the_fewest_inputs_that_fit_both_memories():
   for k in plan.ACTIVATIONS_EVERY:
     first = next((p for p in (spill(k, n) for n in range(-(-32 // k) + 1)) if fits(p)), None)
     assert first is None or first.schedule_s >= both.schedule_s
+
+
+def test_the_plan_counts_the_export_shard_beside_the_state():
+  """An export gathers a shard (up to hf.MAX_SHARD_BYTES) in its dtype before writing it; the
+  plan's host total carries that (the session-5 fine-tune peaked 8 GiB over a plan without it)."""
+  from mtjax import hf  # noqa: PLC0415
+  base = config.load(CONFIGS / "llama_1b.yaml", ["engine.device_state_layers=0"])
+  item = "import / export staging (start / end)"
+  with_ = lambda *o: plan.make(config.load(CONFIGS / "llama_1b.yaml",
+                                           ["engine.device_state_layers=0", *o]))
+  plain = plan.make(base)
+  assert plain.host[item] == 0
+  n = plan.param_counts(base.model)["total"]
+  for dtype, width in (("bfloat16", 2), ("float32", 4)):
+    exp = with_("train.export_dir=/nonexistent/out", f"train.export_dtype={dtype}")
+    assert exp.host[item] >= min(hf.MAX_SHARD_BYTES, width * n)  # the shard it holds
+    assert exp.host_total - plain.host_total >= exp.host[item]  # the pool headroom is unchanged
