@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _row_path(out: Path, name: str, seq: int, layers: int | None) -> Path:
-  return out / f"{name}_{seq}" f"{'' if layers is None else f'_L{layers}'}.json"
+  return out / (f"{name}_{seq}.json" if layers is None else f"{name}_{seq}_L{layers}.json")
 
 
 def run(args, overrides: list[str]) -> int:

@@ -314,6 +314,8 @@ class Engine:
     self.overlap = overlap
     self.device = store.mesh.devices.flat[0]
     e = cfg.engine
+    # The first kept block inputs wait in host memory (raises while activations are still auto).
+    self.on_host = e.activations_on_host(cfg.model.layers)
     self.attention = attention_impl(e.attention, self.device, e.compute_dtype, cfg.model,
                                     cfg.train.seq)
     fns = layer_fns(cfg.model, store.layouts, DTYPES[e.compute_dtype], e.micro_batch,
@@ -429,13 +431,12 @@ class Engine:
     self._observe("compute", 0, x)
     saved = []
     every = self.cfg.engine.activations_every
-    on_host = self.cfg.engine.activations_on_host(L)  # the first kept inputs wait in host memory
     for i in range(L):
       w_cur, w_next = w_next, self._fetch(i + 2)
       if i % every:  # not kept: the backward re-runs this block's segment from its first input
         saved.append(None)
       else:
-        saved.append(store.to_host(x) if i // every < on_host else x)
+        saved.append(store.to_host(x) if i // every < self.on_host else x)
       x = self._block_fwd(w_cur, x, inp.ctx)
       self._observe("compute", i + 1, x)
       self._ready(x)

@@ -422,9 +422,9 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
   block_fwd = seconds(2 * block_matmul * tokens, attn_fwd)
   layers = [Layer(sizes[0], 0.0, 0.0, 0)]
   # A block whose input was not kept has its forward re-run in the backward: (K-1)/K of them.
-  layers += [Layer(pc["block"], block_fwd, (3 + (K - 1) / K) * block_fwd,
+  layers += [Layer(pc["block"], block_fwd, (2 + rerun) * block_fwd,
                    checkpoint if i % K == 0 and i // K < spilled else 0) for i in range(L)]
-  layers += [Layer(sizes[-1], 6 * D * V * tokens / (nd * rates.matmul_tflops * 1e12), 0.0, 0)]
+  layers += [Layer(sizes[-1], seconds(6 * D * V * tokens, 0), 0.0, 0)]
   if not rates.accelerator:  # the CPU backend's "device" memory is host RAM
     host["device memory (CPU backend: host RAM)"] = sum(device.values())
   fits = ((host_limit is None or sum(host.values()) <= host_limit)

@@ -63,8 +63,7 @@ def placement(cfg: Config) -> list[Tier]:
   in device memory, the next `engine.device_update_layers` streamed, the rest on the host."""
   e = cfg.engine
   n = cfg.model.layers + 2
-  if "auto" in (e.device_state_layers, e.device_update_layers, e.grad_queue, e.activations_every,
-                 e.activations):
+  if "auto" in (e.device_state_layers, e.device_update_layers, e.grad_queue):
     raise ValueError("engine placement is 'auto': resolve it with mtjax.plan.prepare(cfg) first")
   n_dev = min(e.device_state_layers, n)
   n_str = min(e.device_update_layers, n - n_dev)
