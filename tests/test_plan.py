@@ -298,3 +298,22 @@ def test_the_plan_counts_the_export_shard_beside_the_state():
     exp = with_("train.export_dir=/nonexistent/out", f"train.export_dtype={dtype}")
     assert exp.host[item] >= min(hf.MAX_SHARD_BYTES, width * n)  # the shard it holds
     assert exp.host_total - plain.host_total >= exp.host[item]  # the pool headroom is unchanged
+
+
+def test_allocator_rounding_is_counted_per_saved_input_on_the_gpu_only():
+  """The BFC allowance: a share of min(input, 128 MiB) for each saved block input held in GPU
+  memory; none for inputs spilled to the host, none on the CPU backend."""
+  GiB = 2**30
+  limits = dict(host_limit=int(125.8 * GiB), device_limit=int(128.6 * GiB))
+  over = ["train.batch=1", "train.seq=32768", "engine.micro_batch=null"]
+  gpu = plan.make(config.load(CONFIGS / "llama_1b.yaml", over), **limits)
+  per_input = min(32768 * 2048 * 2, 128 * 2**20)  # one bf16 [1, T, D] input, capped
+  assert gpu.device["allocator rounding (measured)"] == int(
+      plan.SAVED_INPUT_ROUNDING * per_input * 16)
+  spilled = plan.make(config.load(CONFIGS / "llama_1b.yaml", over + ["engine.activations=4"]),
+                      **limits)
+  assert spilled.device["allocator rounding (measured)"] == int(
+      plan.SAVED_INPUT_ROUNDING * per_input * 12)
+  cpu = plan.make(config.load(CONFIGS / "llama_1b.yaml", over), **limits,
+                  rates=plan.Rates(accelerator=False))
+  assert cpu.device["allocator rounding (measured)"] == 0
