@@ -6,7 +6,9 @@
              python benchmarks/long_context.py run --out DIR --name 8B \\
                --config configs/llama3_8b.yaml --seq 262144 [--layers 4] [--steps 2] [key=value ...]
   ceiling  this machine's bf16 matmul rate (DIR/ceiling.json), what the rows are held against
-  table    the rows in DIR as a markdown table; `--plot PNG` draws tokens/s against context length
+  table    the rows in DIR as a markdown table; `--plot PNG` draws tokens/s against context length.
+           A row whose files a device call did not return may be kept as the call printed it:
+           `printed` says so, `printed_whole_model` holds its printed extrapolation.
 
 Throughput counts attention: `model TF` is 6 x params x tokens per second, `+attn TF` adds the
 causal attention's matmuls (mtjax.plan.flops), `of ceiling` is the latter over the measured
@@ -104,6 +106,8 @@ def whole_model(row: dict) -> dict | None:
   call). The planner times each part at its own rate (blocks' matmuls and attention, their re-run
   forwards under the whole model's activations_every, the embedding and the head), which a ratio
   of FLOPs would not: the head's matmuls run faster than attention."""
+  if row.get("printed_whole_model"):  # a row kept only as the call printed it (see `table`)
+    return row["printed_whole_model"]
   tr, plan = row.get("train"), row.get("full_plan") or {}
   if tr is None or row["layers"] == row["full_layers"] or not plan.get("schedule_s"):
     return None
@@ -112,7 +116,9 @@ def whole_model(row: dict) -> dict | None:
           "activations_every": plan["activations_every"]}
 
 
-def format_rows(rows: list[dict], mm: float | None) -> str:
+def format_rows(rows: list[dict], mm: float | None, one: float | None = None) -> str:
+  """The rows as markdown; `of ceiling` against `one` rate for all rows when given, else each
+  row's own call's measured ceiling (or the folder's)."""
   head = ("| model | context | layers run | step s | tokens/s | model TF | +attn TF | of ceiling "
           "| device GiB (plan) | host GiB (plan) | whole model: step s, extrapolated (plan) "
           "| command |")
@@ -120,25 +126,27 @@ def format_rows(rows: list[dict], mm: float | None) -> str:
   for r in sorted(rows, key=lambda r: (r["name"], r["seq"], r["layers"])):
     tr = r.get("train")
     ctx = f"{r['seq'] // 1024}k" if r["seq"] >= 1024 else str(r["seq"])
-    layers = f"{r['layers']} of {r['full_layers']}"
+    layers = f"{r['layers']} of {r['full_layers']}" + (" (printed)" if r.get("printed") else "")
     if tr is None:
       lines.append(f"| {r['name']} | {ctx} | {layers} | did not run (rc {r['rc']}, "
                    f"{r['wall_s']:.0f} s) | | | | | | | | `{r['command']}` |")
       continue
     first = " (first step)" if r["steps"] < 2 else ""
-    ceil = r.get("ceiling_tflops") or mm  # the row's own call's ceiling, else the folder's
+    ceil = one or r.get("ceiling_tflops") or mm  # the row's own call's ceiling, else the folder's
     frac = "" if ceil is None else f"{tr['tflops_with_attention'] / ceil:.0%}"
     dev = ("" if tr["device_peak_gib"] is None else
            f"{tr['device_peak_gib']:.1f} ({tr['plan_device_gib']:.1f})")
     whole = whole_model(r)
     plan = r.get("full_plan") or {}
-    if whole is None:
+    if r["layers"] == r["full_layers"]:
       extra = "(this row)"
+    elif plan.get("refused"):  # no whole-model step to extrapolate to: say why
+      extra = f"refused by the planner: {plan['refused'].split(';')[0]}"
+    elif whole is None:
+      extra = "(no whole-model plan)"
     else:
       extra = f"{whole['step_s']:.1f}"
-      if plan.get("refused"):
-        extra += " (plan: refused)"
-      elif plan:
+      if plan:
         extra += (f" (plan {plan['schedule_s'] or float('nan'):.1f} s, device "
                   f"{plan['device_bytes'] / GiB:.1f}, host {plan['host_bytes'] / GiB:.1f} GiB, "
                   f"K={plan['activations_every']}, {plan['activations_on_host']} on host)")
@@ -155,9 +163,11 @@ def table(args) -> int:
   rows = [json.loads(f.read_text()) for f in sorted(out.glob("*.json"))
           if not f.name.endswith((".train.json", ".plan.json")) and f.name != "ceiling.json"]
   mm = _ceiling(out)
-  if mm is not None:
+  if args.ceiling:
+    print(f"bf16 matmul ceiling: {args.ceiling:.0f} TFLOP/s (every row held against it)\n")
+  elif mm is not None:
     print(f"bf16 matmul ceiling: {mm:.0f} TFLOP/s (measured in the same session)\n")
-  print(format_rows(rows, mm))
+  print(format_rows(rows, mm, args.ceiling))
   if args.plot:
     plot(rows, Path(args.plot))
   return 0
@@ -168,16 +178,20 @@ def plot(rows: list[dict], path: Path) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
   fig, ax = plt.subplots(figsize=(7, 4))
+  seqs = set()  # the context lengths plotted
   for name in sorted({r["name"] for r in rows}):
     pts = []
     for r in rows:
       if r["name"] == name and r.get("train"):
         whole = whole_model(r)
+        if whole is None and r["layers"] != r["full_layers"]:
+          continue  # a slice with no whole-model step to extrapolate to (the plan refused it)
         pts.append((r["seq"], whole["tokens_per_s"] if whole else r["train"]["tokens_per_s"],
                     whole is not None))
     pts.sort()
     if not pts:
       continue
+    seqs.update(p[0] for p in pts)
     line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
     ext = [p for p in pts if p[2]]
     if ext:
@@ -185,7 +199,7 @@ def plot(rows: list[dict], path: Path) -> None:
               markerfacecolor="white", color=line.get_color())
   ax.set_xscale("log", base=2)
   ax.set_yscale("log")
-  seqs = sorted({r["seq"] for r in rows if r.get("train")})
+  seqs = sorted(seqs)
   ax.set_xticks(seqs, [f"{s // 1024}k" if s >= 1024 else str(s) for s in seqs])
   ax.minorticks_off()
   ax.set_xlabel("context length (tokens, batch 1)")
@@ -218,6 +232,9 @@ def main(argv=None) -> int:
   c.add_argument("--out", required=True)
   t = sub.add_parser("table", help="the table (and plot) of the rows in --out")
   t.add_argument("--out", required=True)
+  t.add_argument("--ceiling", type=float,
+                 help="hold every row against this bf16 matmul TFLOP/s (rows measured in "
+                      "different calls: the highest measured on the machine)")
   t.add_argument("--plot")
   args, rest = p.parse_known_args(argv)
   if args.mode == "run":

@@ -76,3 +76,19 @@ def test_long_context_rows_extrapolate_a_slice_and_plan_the_whole_model(tmp_path
   capsys.readouterr()
   assert long_context.main(["table", "--out", str(tmp_path)]) == 0
   assert "| tiny | 128 | 1 of 3 |" in capsys.readouterr().out
+
+
+def test_long_context_table_says_why_a_slice_has_no_whole_model_step(tmp_path):
+  """A slice whose whole model the planner refused shows the refusal, not "(this row)", and
+  `--ceiling` holds every row against one rate."""
+  import long_context  # noqa: PLC0415
+  train = {"step_s_median": 2.0, "tokens_per_s": 100.0, "model_tflops": 50.0,
+           "tflops_with_attention": 300.0, "device_peak_gib": 10.0, "plan_device_gib": 10.5,
+           "peak_rss_gib": 5.0, "plan_host_gib": 6.0, "plan_schedule_s": 1.9}
+  row = {"name": "8B", "seq": 1 << 20, "steps": 2, "layers": 1, "full_layers": 32, "command": "c",
+         "rc": 0, "ceiling_tflops": 500.0, "train": train,
+         "full_plan": {"refused": "does not fit in device memory: needs 257.7 GiB; lower x"}}
+  assert long_context.whole_model(row) is None
+  own, one = (long_context.format_rows([row], None, c).splitlines()[-1] for c in (None, 600.0))
+  assert "refused by the planner: does not fit in device memory: needs 257.7 GiB |" in own
+  assert "(this row)" not in own and "| 60% |" in own and "| 50% |" in one
