@@ -374,11 +374,11 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
       # two segments
       "saved activations": ((kept - spilled + (2 if spilled else 0))
                             + (K + 1 if K > 1 else 0)) * checkpoint // nd,
-      # clip_mode=host_buffer: stream and device groups' gradients (and stream groups' prefetched
-      # state) wait on the device until the global norm is known
-      # (accelerators only) the allocator's rounding of those saved inputs, see above
+      # (accelerators only) the allocator's rounding of the saved inputs in device memory
       "allocator rounding (measured)": int(SAVED_INPUT_ROUNDING * min(checkpoint // nd, 128 * 2**20)
                                            * (kept - spilled)) if rates.accelerator else 0,
+      # clip_mode=host_buffer: stream and device groups' gradients (and stream groups' prefetched
+      # state) wait on the device until the global norm is known
       "clip-held gradients": (sum(4 * sizes[i] for i in stream_g + dev_g)
                               + busiest([ob[i] for i in stream_g])
                               if (o.clip_norm and o.clip_mode == "host_buffer") else 0),
