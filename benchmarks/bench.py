@@ -159,8 +159,8 @@ def flops(cfg: config_lib.Config, attention: str) -> dict:
   work = plan_lib.flops(cfg)
   block_matmul = lays["block"].n_decay  # every matrix of a block is a matmul weight
   head_matmul = m.hidden * m.vocab_size
-  causal = 0.5 if attention in ("cudnn", "blockwise") else 1.0  # flash kernels skip the masked half
-  attn_fwd = 4 * t.batch * t.seq**2 * m.heads * m.dim_per_head * causal
+  # flash kernels skip the masked half
+  attn_fwd = plan_lib.attention_forward_flops(cfg, causal_half=attention in ("cudnn", "blockwise"))
   hw = m.layers * (8 * block_matmul * tokens + 4 * attn_fwd) + 6 * head_matmul * tokens
   return {"model": work["model"], "with_attention": work["with_attention"], "hw": hw,
           "params": plan_lib.param_counts(m)["total"], "tokens": tokens}

@@ -62,6 +62,13 @@ def param_counts(m: config_lib.ModelConfig) -> dict[str, int]:
   return {"embed": embed, "block": block, "head": head, "total": embed + m.layers * block + head}
 
 
+def attention_forward_flops(cfg: config_lib.Config, causal_half: bool) -> float:
+  """One block's attention matmuls (scores and values) in the forward, at the config's batch and
+  sequence length: all of them, or the causal half a flash kernel computes."""
+  m, t = cfg.model, cfg.train
+  return 4 * t.batch * t.seq**2 * m.heads * m.dim_per_head * (0.5 if causal_half else 1.0)
+
+
 def flops(cfg: config_lib.Config) -> dict[str, float]:
   """FLOPs of one training step at the config's batch and sequence length.
 
@@ -71,7 +78,7 @@ def flops(cfg: config_lib.Config) -> dict[str, float]:
   `with_attention`: their sum, the work a long context is judged by."""
   m, t = cfg.model, cfg.train
   model = 6 * param_counts(m)["total"] * t.batch * t.seq
-  attention = 6 * m.layers * t.batch * t.seq**2 * m.heads * m.dim_per_head
+  attention = 3 * m.layers * attention_forward_flops(cfg, causal_half=True)
   return {"model": float(model), "attention": float(attention),
           "with_attention": float(model + attention)}
 
@@ -411,7 +418,7 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
   # dense matmul rate; XLA's attention is plain matmuls.
   attn_rate = rates.attention_tflops if causal < 1 else rates.matmul_tflops
   seconds = lambda matmul, attn: (matmul / rates.matmul_tflops + attn / attn_rate) / (nd * 1e12)
-  attn_fwd = 4 * t.batch * t.seq**2 * H * hd * causal  # scores and values, one block's forward
+  attn_fwd = attention_forward_flops(cfg, causal_half=causal < 1)
   # forward, its re-runs, backward (2x the forward): matmuls and causal attention
   compute_s = seconds(L * (6 + 2 * rerun) * block_matmul * tokens + 6 * D * V * tokens,
                       L * (3 + rerun) * attn_fwd)
