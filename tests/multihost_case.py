@@ -23,10 +23,10 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=pid)
 sys.path.insert(0, str(Path(__file__).parent))
 
-import chex  # noqa: E402
 import numpy as np  # noqa: E402
 
 import reference as ref  # noqa: E402
+from numerics import assert_close, assert_trees_close  # noqa: E402
 from mtjax import engine, store as store_lib  # noqa: E402
 from test_engine import batch_for, make_cfg, ref_loss_and_grads, reference_training  # noqa: E402
 
@@ -44,19 +44,20 @@ eng = engine.Engine(cfg, st)
 b = batch_for(cfg)
 loss, grads = eng.grads(b)
 ref_loss, ref_tree = ref_loss_and_grads(cfg, params, b)
-np.testing.assert_allclose(loss, float(ref_loss), rtol=1e-5)
+assert_close(loss, float(ref_loss), name="loss")
 for g, r, grp in zip(grads, ref.flat_grads(full, ref_tree), st.groups):
-  chex.assert_trees_all_close(g, r, rtol=1e-4, atol=1e-6, custom_message=grp.name)
+  assert_close(g, r, name=grp.name)
 
 batches = [batch_for(cfg, i) for i in range(3)]
 want, _, want_losses = reference_training(cfg, params, batches)
 losses = [eng.step(x).loss for x in batches]
 eng.sync()
-np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+assert_close(losses, want_losses, name="losses")
 want_parts = [want["embed"], *want["blocks"], want["head"]]
 for i in mine:
-  chex.assert_trees_all_close(st.groups[i].layout.unflatten(st.read(i)["w"]),
-                              jax.tree.map(np.asarray, want_parts[i]), rtol=1e-5,
-                              atol=1e-3 * cfg.optim.lr, custom_message=st.groups[i].name)
+  # Adam's per-coordinate steps of O(lr) can flip on a gradient that cancels to rounding level
+  # (see test_engine.test_k_streamed_steps_equal_plain_optax): 1e-3 * lr per element allowed.
+  assert_trees_close(st.groups[i].layout.unflatten(st.read(i)["w"]), want_parts[i],
+                     atol=1e-3 * cfg.optim.lr, name=st.groups[i].name)
 eng.close()
 print(f"ok: process {pid} owns groups {mine}", flush=True)

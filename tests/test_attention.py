@@ -1,6 +1,5 @@
 """Blockwise attention against a naive materialised-scores attention: values and q/k/v gradients."""
 
-import chex
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -9,6 +8,7 @@ import pytest
 from hypothesis import given, strategies as hst
 
 from mtjax.attention import blockwise_attention
+from numerics import assert_trees_close
 
 
 def naive_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, seg_q_BxT=None, seg_k_BxS=None, causal=True):
@@ -66,8 +66,8 @@ def both(q, k, v, ct, seg_q=None, seg_k=None, causal=True, **blocks):
 
 def assert_fp32_close(got, want):
   (out, grads), (out_ref, grads_ref) = got, want
-  chex.assert_trees_all_close(out, out_ref, rtol=1e-5, atol=1e-5)
-  chex.assert_trees_all_close(grads, grads_ref, rtol=1e-4, atol=1e-4)
+  assert_trees_close(out, out_ref, name="output")
+  assert_trees_close(grads, grads_ref, name="gradients")
 
 
 def relative_error(x, ref):

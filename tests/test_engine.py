@@ -13,6 +13,7 @@ from hypothesis import given, strategies as hst
 import dataclasses
 
 import reference as ref
+from numerics import assert_close, assert_trees_close
 from mtjax import config, data, engine, store as store_lib
 from mtjax.optimizer import schedule
 
@@ -111,9 +112,9 @@ def streamed_and_reference(cfg, st, eng, step=0, pack=False):
 def test_streamed_grads_equal_whole_model_grad(cfg, pack):
   st, eng = new_engine(cfg)
   loss, grads, ref_loss, ref_grads = streamed_and_reference(cfg, st, eng, pack=pack)
-  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_close(loss, ref_loss, name="loss")
   for g, r, grp in zip(grads, ref_grads, st.groups):
-    chex.assert_trees_all_close(g, r, rtol=1e-4, atol=1e-6, custom_message=grp.name)
+    assert_close(g, r, name=grp.name)
   eng.close()
 
 
@@ -150,18 +151,17 @@ def assert_training_matches_optax(cfg, steps=3, overlap=True, pack=False):
   want_w, want_state, want_losses = reference_training(cfg, st.to_tree(), batches)
   losses = [eng.step(b).loss for b in batches]
   eng.sync()
-  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  assert_close(losses, want_losses, name="losses")
   # Adam scales every coordinate's step to O(lr) whatever its gradient's size, so where a gradient
   # nearly cancels (the k bias: softmax is almost shift-invariant) a summation-order difference of
   # the fp32 gradient moves the step. 1e-3 * lr bounds that; a real bug (schedule, bias correction,
   # decay mask, clipping) moves weights by O(0.1 * lr) or more.
-  atol_w = 1e-3 * cfg.optim.lr
-  chex.assert_trees_all_close(st.to_tree(), jax.tree.map(np.asarray, want_w), rtol=1e-5, atol=atol_w)
+  assert_trees_close(st.to_tree(), want_w, atol=1e-3 * cfg.optim.lr, name="weights")
   if cfg.optim.name == "adamw" and cfg.optim.impl == "fused":
     adam = want_state[0] if cfg.optim.clip_norm is None else want_state[1][0]
     m, v = st.moments_tree()
-    chex.assert_trees_all_close(m, jax.tree.map(np.asarray, adam.mu), rtol=1e-4, atol=1e-7)
-    chex.assert_trees_all_close(v, jax.tree.map(np.asarray, adam.nu), rtol=1e-4, atol=1e-9)
+    assert_trees_close(m, adam.mu, name="m")
+    assert_trees_close(v, adam.nu, name="v")
   assert st.step == steps
   eng.close()
 
@@ -344,9 +344,9 @@ def test_weights_loaded_between_steps_replace_device_copies():
   eng.sync()
   st.load_tree(store_lib.create(cfg, jax.random.key(9)).to_tree())
   loss, grads, ref_loss, ref_grads = streamed_and_reference(cfg, st, eng, step=1)
-  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-  for g, r in zip(grads, ref_grads):
-    chex.assert_trees_all_close(g, r, rtol=1e-4, atol=1e-6)
+  assert_close(loss, ref_loss, name="loss")
+  for g, r, grp in zip(grads, ref_grads, st.groups):
+    assert_close(g, r, name=grp.name)
   eng.close()
 
 

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, strategies as hst
 
 import reference as ref
+from numerics import assert_close, assert_trees_close
 from mtjax import config, engine, model, state as state_lib
 
 
@@ -45,14 +46,14 @@ def test_block_equals_naive_reference(heads, kv, bias, scaling, T, qk_norm, pack
   ctx = model.Ctx(jnp.asarray(pos), jnp.asarray(seg)) if packed else None
   got = model.Block(cfg, impl).apply({"params": p}, x, ctx)
   want = ref.block(x, p, cfg, pos, seg)
-  chex.assert_trees_all_close(got, want, rtol=2e-5, atol=2e-5)
+  assert_close(got, want, name="block output")
 
 
 @pytest.mark.parametrize("scaling", ["none", "linear", "llama3"])
 def test_rope_frequencies_match_reference(scaling):
   cfg = model_cfg(head_dim=64, heads=2, rope_scaling=scaling, rope_factor=8.0,
                   rope_original_max_len=64, rope_theta=500000.0)
-  np.testing.assert_allclose(model.rope_inv_freq(cfg), ref.inv_freq_np(cfg), rtol=1e-6)
+  assert_close(model.rope_inv_freq(cfg), ref.inv_freq_np(cfg), name="inv_freq")
 
 
 def test_rope_is_a_rotation_that_depends_on_relative_position():
@@ -89,8 +90,8 @@ def test_chunked_head_equals_full_logits_loss(tied, chunk):
     return -jnp.mean(jnp.take_along_axis(logp, t[..., None], axis=-1))
 
   want_loss, (want_gh, want_gt, want_dx) = jax.value_and_grad(full, argnums=(0, 1, 2))(wh, wt, x)
-  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-  chex.assert_trees_all_close((dx, gh, gt), (want_dx, want_gh, want_gt), rtol=1e-4, atol=1e-7)
+  assert_close(loss, want_loss, name="loss")
+  assert_trees_close((dx, gh, gt), (want_dx, want_gh, want_gt), name="(dx, g_head, g_table)")
 
 
 
@@ -129,7 +130,7 @@ def test_tiled_block_equals_untiled(T, packed, qk_norm):
   ctx = model.Ctx(*map(jnp.asarray, packed_ctx(2, T, T))) if packed else None
   with jax.default_matmul_precision("highest"):
     want, got = block_vjps(cfg, "xla", [(None, jnp.float32), (4, jnp.float32)], x, ctx)
-  chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-6)
+  assert_trees_close(got, want, name="tiled")
 
 
 def test_tiled_block_has_the_untiled_parameters():

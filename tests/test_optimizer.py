@@ -1,6 +1,5 @@
 """Host and device updates against optax (adamw, lion, sgd, adafactor) applied to the same arrays."""
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +9,7 @@ from hypothesis import given, strategies as hst
 
 from mtjax import config, state as state_lib, store as store_lib
 from mtjax.optimizer import HostOptimizer, UpdateRule, clip_scale, schedule
+from numerics import assert_close, assert_trees_close
 
 
 def make_group(n_mat, n_vec, rng, rule=None):
@@ -57,14 +57,12 @@ def test_host_updates_equal_optax(opt, n_mat, n_vec, wd, scale, warmup):
                                    opt_state, params)
     params = optax.apply_updates(params, updates)
   host.close()
-  np.testing.assert_allclose(grp.w, grp.layout.flatten(params), rtol=1e-5, atol=1e-6)
+  assert_close(grp.w, grp.layout.flatten(params), name="weights")
   if rule.fused:
-    np.testing.assert_allclose(grp.opt["m"], grp.layout.flatten(opt_state[0].mu), rtol=1e-5,
-                               atol=1e-7)
-    np.testing.assert_allclose(grp.opt["v"], grp.layout.flatten(opt_state[0].nu), rtol=1e-5,
-                               atol=1e-9)
+    assert_close(grp.opt["m"], grp.layout.flatten(opt_state[0].mu), name="m")
+    assert_close(grp.opt["v"], grp.layout.flatten(opt_state[0].nu), name="v")
   else:
-    chex.assert_trees_all_close(grp.opt, jax.tree.map(np.asarray, opt_state), rtol=1e-5, atol=1e-7)
+    assert_trees_close(grp.opt, opt_state, name="optimizer state")
 
 
 def test_worker_thread_applies_updates_in_order():
@@ -115,7 +113,7 @@ def test_schedule_warms_up_then_decays_to_floor():
 def test_clip_scale_matches_optax(norm):
   g = {"a": jnp.ones(4) * norm / 2}  # global norm == norm
   clipped, _ = optax.clip_by_global_norm(2.0).update(g, None)
-  np.testing.assert_allclose(g["a"] * clip_scale(norm, 2.0), clipped["a"], rtol=1e-6)
+  assert_close(g["a"] * clip_scale(norm, 2.0), clipped["a"], name="clipped")
   assert clip_scale(norm, None) == 1.0
 
 
@@ -133,5 +131,5 @@ def test_device_update_equals_host_update(name):
     host.update(grp, g, i, 0.5, view_of(grp))
     w, opt = step(w, opt, g * np.float32(0.5), rule.scalars(i), grp.layout)
   host.close()
-  np.testing.assert_allclose(w, grp.w, rtol=1e-6, atol=1e-7)
-  chex.assert_trees_all_close(jax.tree.map(np.asarray, opt), grp.opt, rtol=1e-6, atol=1e-8)
+  assert_close(w, grp.w, name="weights")
+  assert_trees_close(opt, grp.opt, name="optimizer state")
