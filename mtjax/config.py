@@ -41,6 +41,11 @@ class ModelConfig:
 
   def __post_init__(self):
     _positive(self, "vocab_size", "hidden", "layers", "heads", "ffn")
+    for key in ("kv_heads", "head_dim"):  # None: derived from heads / hidden
+      if getattr(self, key) is not None and getattr(self, key) <= 0:
+        raise ConfigError(f"model.{key}: {getattr(self, key)} must be > 0 or null")
+    if self.init_std <= 0:
+      raise ConfigError(f"model.init_std: {self.init_std} must be > 0")
     kv = self.n_kv_heads
     if kv <= 0 or self.heads % kv:
       raise ConfigError(f"model.kv_heads: {kv} must divide model.heads ({self.heads})")
@@ -91,6 +96,8 @@ class OptimConfig:
       raise ConfigError(f"optim.momentum: {self.momentum} must be in [0, 1)")
     if self.threads is not None and self.threads <= 0:
       raise ConfigError(f"optim.threads: {self.threads} must be > 0 or null")
+    if self.decay_steps is not None and self.decay_steps <= 0:
+      raise ConfigError(f"optim.decay_steps: {self.decay_steps} must be > 0 or null (train.steps)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +184,7 @@ class TrainConfig:
   tensorboard: bool = True  # also write TensorBoard event files into run_dir/tb
   profile_step: int = 0  # record a JAX profiler trace of this step into run_dir/profile; 0: none
   export_dir: str | None = None  # at the end, write the weights as a Hugging Face directory here
-  export_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # tensor dtype of that export
+  export_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # tensor dtype of that export
 
   def __post_init__(self):
     _positive(self, "steps", "batch", "seq", "log_every")
@@ -201,7 +208,9 @@ class Config:
 
   def __post_init__(self):
     if self.train.eval_every and self.data.source != "prepared":
-      raise ConfigError("train.eval_every: held-out loss needs data.source 'prepared' (its val split)")
+      raise ConfigError(f"train.eval_every: {self.train.eval_every} needs held-out data: prepared "
+                        f"data with a val split (data.source=prepared, from `python -m mtjax.data "
+                        f"prepare --val-fraction 0.02`); set train.eval_every=0 to train without it")
     mb = self.engine.micro_batch
     if mb is not None and self.train.batch % mb:
       raise ConfigError(f"engine.micro_batch: {mb} does not divide train.batch ({self.train.batch})")
@@ -339,7 +348,9 @@ def with_hf_shape(raw: dict) -> dict:
   if not isinstance(model, dict) or not model.get("from_hf"):
     return raw
   from mtjax import hf  # noqa: PLC0415 - hf imports this module
-  directory = Path(str(model["from_hf"])).expanduser()
+  # Resolved now: the path is stored in the config (and every checkpoint) and must still name the
+  # same directory when an export runs from another working directory.
+  directory = Path(str(model["from_hf"])).expanduser().resolve()
   try:
     fields = hf.Checkpoint(directory).model_fields()
   except (hf.HFError, OSError) as e:
@@ -351,7 +362,12 @@ def with_hf_shape(raw: dict) -> dict:
   return {**raw, "model": {**fields, **model, "from_hf": str(directory)}}
 
 
-def _read_yaml(path: Path) -> dict:
+def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> dict:
+  """The mapping in `path`, with its `base:` files merged under it; `chain` holds the files that
+  named it as their base, so a loop is an error instead of a recursion without end."""
+  if path.resolve() in chain:
+    loop = " -> ".join(str(p) for p in (*chain, path.resolve()))
+    raise ConfigError(f"config: base files form a loop ({loop})")
   if not path.exists():
     raise ConfigError(f"config: file {path} does not exist")
   if not path.is_file():
@@ -370,7 +386,9 @@ def _read_yaml(path: Path) -> dict:
   base = raw.pop("base", None)
   if base is None:
     return raw
-  return _merge(_read_yaml(path.parent / base), raw)
+  if not isinstance(base, str):
+    raise ConfigError(f"config: {path}: base must be a file name, got {base!r}")
+  return _merge(_read_yaml(path.parent / base, (*chain, path.resolve())), raw)
 
 
 def _merge(a: dict, b: dict) -> dict:

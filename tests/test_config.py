@@ -56,6 +56,49 @@ def test_bad_values_name_the_key(overrides, key):
   assert key in msg and "\n" not in msg
 
 
+@pytest.mark.parametrize("overrides,key", [
+    (["model.head_dim=0"], "model.head_dim: 0 must be > 0"),
+    (["model.head_dim=-2"], "model.head_dim: -2 must be > 0"),
+    (["model.kv_heads=0"], "model.kv_heads: 0 must be > 0"),
+    (["optim.decay_steps=-5"], "optim.decay_steps: -5 must be > 0"),
+    (["optim.decay_steps=0"], "optim.decay_steps: 0 must be > 0"),
+    (["train.eval_every=5"], "--val-fraction"),
+])
+def test_bad_values_that_once_trained_or_crashed_are_refused(overrides, key):
+  with pytest.raises(config.ConfigError) as e:
+    config.load(CONFIGS / "tiny.yaml", overrides)
+  assert key in str(e.value) and "\n" not in str(e.value)
+
+
+def test_float16_export_is_accepted():
+  assert config.load(CONFIGS / "tiny.yaml", ["train.export_dtype=float16"]).train.export_dtype == (
+      "float16")
+
+
+@pytest.mark.parametrize("files", [
+    {"a.yaml": "base: a.yaml\n"},
+    {"a.yaml": "base: b.yaml\n", "b.yaml": "base: sub/c.yaml\n", "sub/c.yaml": "base: ../a.yaml\n"},
+])
+def test_a_base_chain_that_loops_is_one_line_error(tmp_path, files):
+  for name, text in files.items():
+    (tmp_path / name).parent.mkdir(exist_ok=True)
+    (tmp_path / name).write_text(text)
+  with pytest.raises(config.ConfigError) as e:
+    config.load(tmp_path / "a.yaml")
+  assert "loop" in str(e.value) and "a.yaml" in str(e.value) and "\n" not in str(e.value)
+  r = subprocess.run([sys.executable, "-m", "mtjax.train", "--config", str(tmp_path / "a.yaml")],
+                     capture_output=True, text=True)
+  assert r.returncode == 2 and "Traceback" not in r.stderr and "loop" in r.stderr, r.stderr
+
+
+def test_a_base_chain_merges_in_order(tmp_path):
+  (tmp_path / "a.yaml").write_text("base: b.yaml\ntrain:\n  steps: 3\n")
+  (tmp_path / "b.yaml").write_text("base: c.yaml\ntrain:\n  steps: 2\n  batch: 2\n")
+  (tmp_path / "c.yaml").write_text("train:\n  steps: 1\n  batch: 1\n  seq: 4\n")
+  t = config.load(tmp_path / "a.yaml").train
+  assert (t.steps, t.batch, t.seq) == (3, 2, 4)
+
+
 def test_missing_file_and_non_mapping(tmp_path):
   with pytest.raises(config.ConfigError, match="does not exist"):
     config.load(tmp_path / "nope.yaml")
