@@ -10,6 +10,7 @@ which ones it skipped and why.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from mtjax import hf
 from mtjax.store import LayerStore
 
 _STEP_DIR = re.compile(r"step_(\d+)$")
@@ -34,6 +36,40 @@ def _layout_record(store: LayerStore) -> list:
           for g in store.groups]
 
 
+# Model fields that do not change what the saved weights mean: where they were imported from and
+# how they were first drawn.
+_NOT_ARCHITECTURE = ("from_hf", "init_std")
+
+
+def model_difference(saved: dict | None, model: dict) -> str | None:
+  """How a checkpoint's recorded model section differs from `model` (a `to_dict` of the run's
+  model config), as 'model.KEY: A in the checkpoint, B in this run'; None when they agree or
+  nothing was recorded. Two models can hold the same parameter shapes (heads of another width,
+  another RoPE base), so the layout alone does not tell them apart."""
+  if not isinstance(saved, dict):
+    return None
+  for key in sorted(saved):  # the checkpoint's keys: a field added since keeps its default meaning
+    if key in _NOT_ARCHITECTURE or saved.get(key) == model.get(key):
+      continue
+    return f"model.{key}: {saved.get(key)!r} in the checkpoint, {model.get(key)!r} in this run"
+  return None
+
+
+def check_model(directory: str | Path, model: dict) -> None:
+  """Refuses (CheckpointMismatch), before anything is allocated, a checkpoint folder whose newest
+  readable checkpoint was saved by another model than `model` (a `to_dict` of the model config)."""
+  for path in steps(directory):
+    try:
+      saved = read_meta(path).get("extra", {}).get("config", {}).get("model")
+    except (ValueError, OSError, AttributeError):
+      continue  # damaged: restore_latest skips it and says why
+    diff = model_difference(saved, model)
+    if diff:
+      raise CheckpointMismatch(f"checkpoint {path} is of another model ({diff}); use another "
+                               f"train.checkpoint_dir or the model it was trained with")
+    return
+
+
 def checksum(a: np.ndarray) -> int:
   """A fast whole-array checksum: the sum of its 32-bit words mod 2^64 (a changed word changes it,
   at memory speed where crc32 would cost minutes on a 10B-parameter state)."""
@@ -41,9 +77,15 @@ def checksum(a: np.ndarray) -> int:
   return int(np.add.reduce(words, dtype=np.uint64))
 
 
-def save(store: LayerStore, directory: str | Path, extra: dict | None = None) -> Path:
+SOURCE_DIR = "hf_source"  # a step's copy of its Hugging Face source's config and tokenizer files
+
+
+def save(store: LayerStore, directory: str | Path, extra: dict | None = None,
+         source: str | Path | None = None) -> Path:
   """Writes the state (call `store.sync()` first) to DIRECTORY/step_<store.step>; a step that is
-  already committed is left as it is. `extra` (JSON) is kept in meta.json (e.g. the data position)."""
+  already committed is left as it is. `extra` (JSON) is kept in meta.json (e.g. the data position).
+  `source`, the Hugging Face directory the model was imported from: its config.json and tokenizer
+  files are copied into the step (SOURCE_DIR), so an export never depends on it still existing."""
   directory = Path(directory).absolute()
   final = directory / f"step_{store.step}"
   if (final / "meta.json").exists():
@@ -67,6 +109,8 @@ def save(store: LayerStore, directory: str | Path, extra: dict | None = None) ->
     # An exception inside a save (a second signal abandons the run) must not leave orbax's
     # background thread committing while the interpreter shuts down: it waits for it here.
     ckptr.close()
+  if source is not None:
+    hf.copy_source_files(source, tmp / SOURCE_DIR)
   (tmp / "meta.json").write_text(json.dumps({
       "step": store.step, "groups": _layout_record(store), "checksums": sums,
       "extra": extra or {}}))
@@ -94,7 +138,13 @@ def read_meta(path: str | Path) -> dict:
   meta_file = Path(path) / "meta.json"
   if not meta_file.exists():
     raise ValueError(f"checkpoint {path}: no meta.json (incomplete or not a checkpoint)")
-  return json.loads(meta_file.read_text())
+  try:
+    meta = json.loads(meta_file.read_text())
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"checkpoint {path}: meta.json unreadable ({type(e).__name__})") from None
+  if not isinstance(meta, dict):
+    raise ValueError(f"checkpoint {path}: meta.json is not a mapping")
+  return meta
 
 
 def restore(store: LayerStore, path: str | Path) -> dict:
@@ -105,6 +155,10 @@ def restore(store: LayerStore, path: str | Path) -> dict:
   an older checkpoint, which overwrites every group. Returns the checkpoint's `extra`."""
   path = Path(path).absolute()
   meta = read_meta(path)
+  diff = model_difference(meta.get("extra", {}).get("config", {}).get("model"),
+                          dataclasses.asdict(store.model_cfg))
+  if diff:
+    raise CheckpointMismatch(f"checkpoint {path} is of another model ({diff})")
   have, want = meta["groups"], _layout_record(store)
   if len(have) != len(want):
     raise CheckpointMismatch(f"checkpoint {path}: {len(have)} layer groups, the model has "

@@ -455,9 +455,7 @@ def export(out_dir: str | os.PathLike, cfg: ModelConfig, layouts: dict[str, Layo
                "weight_map": {k: names[i] for k, i in sorted(weight_map.items())}}
       (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     if source_dir is not None:
-      for f in TOKENIZER_FILES:
-        if (Path(source_dir) / f).is_file():
-          shutil.copy2(Path(source_dir) / f, tmp / f)
+      copy_source_files(source_dir, tmp, config=False)
     if out_dir.exists():
       out_dir.rmdir()  # checked empty above; rename onto a directory needs it gone
     tmp.rename(out_dir)
@@ -465,6 +463,16 @@ def export(out_dir: str | os.PathLike, cfg: ModelConfig, layouts: dict[str, Layo
     shutil.rmtree(tmp, ignore_errors=True)
     raise
   return out_dir
+
+
+def copy_source_files(source_dir: str | os.PathLike, dest: str | os.PathLike, config: bool = True):
+  """Copies a Hugging Face directory's config.json (unless `config` is False) and tokenizer files
+  that exist into `dest` (created)."""
+  dest = Path(dest)
+  dest.mkdir(parents=True, exist_ok=True)
+  for f in (("config.json",) if config else ()) + TOKENIZER_FILES:
+    if (Path(source_dir) / f).is_file():
+      shutil.copy2(Path(source_dir) / f, dest / f)
 
 
 def _export_config(cfg: ModelConfig, dtype: str, source_dir) -> dict:
@@ -517,6 +525,11 @@ def _write_shards(tmp: Path, cfg: ModelConfig, layouts: dict[str, Layout],
       if st_dtype == "BF16":
         arr = bf16_bits(arr)
       else:  # a copy even when no conversion is needed: the caller may reuse `flat` next group
+        if st_dtype == "F16":
+          top = float(np.max(np.abs(arr), initial=0.0, where=np.isfinite(arr)))
+          if top > np.finfo(np.float16).max:
+            raise HFError(f"export: {tname} holds {top:.4g}, beyond float16's range (65504); "
+                          f"export as bfloat16 or float32")
         arr = np.array(arr, np.float16 if st_dtype == "F16" else np.float32, order="C")
       if pending and pending_bytes + arr.nbytes > max_shard_bytes:
         flush()

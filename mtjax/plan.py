@@ -95,7 +95,7 @@ def hf_staging_bytes(cfg: config_lib.Config) -> int:
   imported = group if cfg.model.from_hf else 0
   exported = 0
   if cfg.train.export_dir:
-    width = 2 if cfg.train.export_dtype == "bfloat16" else 4
+    width = 4 if cfg.train.export_dtype == "float32" else 2
     exported = min(hf.MAX_SHARD_BYTES, width * pc["total"]) + group
   return max(imported, exported)
 

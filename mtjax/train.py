@@ -97,6 +97,8 @@ def check_outputs(cfg: config_lib.Config, json_path: str | None = None) -> None:
   tc = cfg.train
   if tc.checkpoint_dir:
     checkpoint.claim(tc.checkpoint_dir, tc.resume, tc.overwrite)
+    if tc.resume:
+      checkpoint.check_model(tc.checkpoint_dir, config_lib.to_dict(cfg.model))
   for key, path in (("train.export_dir", tc.export_dir), ("--json", json_path)):
     if not path:
       continue
@@ -149,6 +151,13 @@ def _run(cfg: config_lib.Config, progress: bool, on_plan, json_path: str | None,
     on_plan(plan)
   tc = cfg.train
   src = data.source(cfg.data, tc.batch, tc.seq, cfg.model.vocab_size, tc.seed)  # checks the files
+  if tc.eval_every:  # the held-out split is checked now, not at the first evaluation
+    try:
+      data.Prepared(cfg.data.path, "val", cfg.model.vocab_size)
+    except ValueError as e:
+      raise ValueError(f"train.eval_every: {tc.eval_every} needs held-out documents ({e}); "
+                       f"prepare the data with --val-fraction 0.02, or set train.eval_every=0"
+                       ) from None
   if cfg.model.from_hf:
     hf.Checkpoint(cfg.model.from_hf).check(cfg.model, state_lib.layouts(cfg.model))
   device = jax.local_devices()[0]
@@ -175,7 +184,7 @@ def _run(cfg: config_lib.Config, progress: bool, on_plan, json_path: str | None,
 
   def save():
     engine.sync()
-    path = checkpoint.save(store, tc.checkpoint_dir, meta())
+    path = checkpoint.save(store, tc.checkpoint_dir, meta(), source=cfg.model.from_hf)
     checkpoint.prune(tc.checkpoint_dir, tc.keep_checkpoints)
     return path
 
