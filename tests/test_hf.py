@@ -1,7 +1,10 @@
 """Hugging Face import/export against transformers' own models (torch, transformers: tests only)."""
 
+import dataclasses
 import json
+import os
 import tracemalloc
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from mtjax import hf, model, state as state_lib  # noqa: E402
 from mtjax.config import ModelConfig  # noqa: E402
+from numerics import assert_close, errors, REL_L2, REL_MAX  # noqa: E402
 
 BASE = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, intermediate_size=48, initializer_range=0.2)
@@ -28,6 +32,7 @@ FAMILIES = {  # name -> (config class, extra config kwargs, shard size: small = 
     "qwen2": (transformers.Qwen2Config, dict(), "20KB"),
     "qwen3": (transformers.Qwen3Config, dict(head_dim=16), "20KB"),
 }
+ROOT = Path(__file__).parent.parent
 TOKENIZER = {"tokenizer.json": '{"version": "1.0"}', "tokenizer_config.json": '{"x": 1}',
              "merges.txt": "a b\n", "chat_template.jinja": "{{ messages }}"}
 
@@ -116,7 +121,7 @@ def test_logits_match_transformers(saved, family):
     want = m(torch.from_numpy(ids).long()).logits.numpy()
   assert 0.5 < np.abs(want).mean() < 5  # logits of magnitude ~1, so the tolerance means fp32
   got = logits(cfg, lays, {k: jnp.asarray(v) for k, v in flats.items()}, ids)
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert_close(got, want, name="logits")
 
 
 def test_model_fields_llama3_rope(saved):
@@ -132,28 +137,54 @@ def test_model_fields_llama3_rope(saved):
   assert hf.model_fields(legacy) == f
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_loss_and_gradients_match_torch_autograd(saved, family):
-  d, m0 = saved(family)
-  cfg, lays, flats = load(d)
+def torch_loss_and_grads(d, ids):
+  """transformers' fp32 eager loss and every parameter's gradient by torch autograd."""
   m = transformers.AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager",
                                                         dtype=torch.float32)
-  ids = token_ids(cfg.vocab_size, seed=1)
   out = m(torch.from_numpy(ids).long(), labels=torch.from_numpy(ids).long())
   out.loss.backward()
+  return out.loss.item(), {k: p.grad.numpy() for k, p in m.named_parameters()}
 
+
+def mtjax_loss_and_grads(cfg, lays, flats, ids):
+  """The same loss through mtjax's layer modules and its gradient by jax, by Hugging Face name."""
   def loss_fn(params):
     lg = logits(cfg, lays, params, ids)[:, :-1].reshape(-1, cfg.vocab_size)
     return jnp.mean(model.token_nll(lg, jnp.asarray(ids[:, 1:].reshape(-1))))
 
   loss, grads = jax.value_and_grad(loss_fn)({k: jnp.asarray(v) for k, v in flats.items()})
-  np.testing.assert_allclose(loss, out.loss.item(), rtol=1e-5)
-  want = {k: p.grad.numpy() for k, p in m.named_parameters()}
-  got = {name: g for grp in hf.group_names(cfg)
-         for name, g in hf.hf_tensors(lays, grp, np.asarray(grads[grp]))}
+  return float(loss), {name: g for grp in hf.group_names(cfg)
+                       for name, g in hf.hf_tensors(lays, grp, np.asarray(grads[grp]))}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_loss_and_gradients_match_torch_autograd(saved, family):
+  d, _ = saved(family)
+  cfg, lays, flats = load(d)
+  ids = token_ids(cfg.vocab_size, seed=1)
+  want_loss, want = torch_loss_and_grads(d, ids)
+  loss, got = mtjax_loss_and_grads(cfg, lays, flats, ids)
+  assert_close(loss, want_loss, name="loss")
   assert got.keys() == want.keys()
   for k in want:
-    np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    assert_close(got[k], want[k], name=k)
+
+
+@pytest.mark.parametrize("family,field,factor", [("llama3", "norm_eps", 10.0),
+                                                 ("qwen3", "norm_eps", 10.0),
+                                                 ("llama3", "rope_theta", 1.01),
+                                                 ("qwen3", "rope_theta", 1.01)])
+def test_parity_criterion_catches_a_wrong_norm_epsilon_or_rope_base(saved, family, field, factor):
+  """The tolerance of the parity tests (tests/numerics.py) is no wider than the defects it must
+  catch: a norm epsilon 10x off or a RoPE base 1% off fails it by a wide margin."""
+  d, _ = saved(family)
+  cfg, lays, flats = load(d)
+  ids = token_ids(cfg.vocab_size, seed=1)
+  _, want = torch_loss_and_grads(d, ids)
+  wrong = dataclasses.replace(cfg, **{field: getattr(cfg, field) * factor})
+  _, got = mtjax_loss_and_grads(wrong, lays, flats, ids)
+  worst = max(errors(got[k], want[k]) for k in want)
+  assert worst[0] > 5 * REL_L2 and worst[1] > 5 * REL_MAX, worst
 
 
 @pytest.mark.parametrize("family,dtype", [("qwen2", torch.bfloat16), ("qwen3", torch.float16),
@@ -375,12 +406,11 @@ def test_engine_gradients_on_an_imported_model_match_torch(tmp_path):
   want = torch.nn.functional.cross_entropy(out.logits.reshape(-1, cfg.model.vocab_size),
                                            torch.tensor(b.targets, dtype=torch.long).reshape(-1))
   want.backward()
-  np.testing.assert_allclose(loss, want.item(), rtol=1e-5)
+  assert_close(loss, want.item(), name="loss")
   torch_grads = {n: p.grad.numpy() for n, p in m.named_parameters()}
   for g, name in zip(grads, hf.group_names(cfg.model)):
     for hf_name, arr in hf.hf_tensors(st.layouts, name, g):
-      np.testing.assert_allclose(arr, torch_grads[hf_name], rtol=1e-4, atol=1e-6,
-                                 err_msg=hf_name)
+      assert_close(arr, torch_grads[hf_name], name=hf_name)
 
 
 def test_fine_tune_from_hf_exports_a_model_transformers_loads(tmp_path):
@@ -410,7 +440,7 @@ def test_fine_tune_from_hf_exports_a_model_transformers_loads(tmp_path):
   ids = token_ids(cfg.model.vocab_size)
   want = logits(st.model_cfg, st.layouts, trained, ids)
   got = m(torch.tensor(ids, dtype=torch.long)).logits.detach().numpy()
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert_close(got, want, name="logits of the export")
   assert (tmp_path / "out" / "tokenizer.json").exists()
   # The export command reads the same checkpoint into the same tensors.
   r = subprocess.run([sys.executable, "-m", "mtjax.export", "--checkpoint", str(tmp_path / "ck"),
@@ -422,3 +452,54 @@ def test_fine_tune_from_hf_exports_a_model_transformers_loads(tmp_path):
   r = subprocess.run([sys.executable, "-m", "mtjax.export", "--checkpoint", str(tmp_path / "ck"),
                       "--out", str(tmp_path / "out2")], capture_output=True, text=True, timeout=300)
   assert r.returncode == 2 and r.stderr.startswith("error:") and r.stderr.count("\n") == 1
+
+
+def test_export_keeps_the_source_identity_from_any_directory(tmp_path, monkeypatch):
+  """A relative model.from_hf is resolved when the config loads; each checkpoint keeps a copy of
+  the source's config.json and tokenizer files, so an export run from another directory, or after
+  the source is gone, writes the source's own config (a Mistral stays a Mistral); without either,
+  it refuses in one line instead of writing a generated config."""
+  import shutil
+  import subprocess
+  import sys
+  from mtjax import checkpoint, config, train
+  build("mistral", tmp_path / "src")
+  for name, text in TOKENIZER.items():
+    (tmp_path / "src" / name).write_text(text)
+  want = json.loads((tmp_path / "src" / "config.json").read_text())
+  monkeypatch.chdir(tmp_path)
+  cfg = config.load(None, ["model.from_hf=src", "engine.compute_dtype=float32", "train.batch=2",
+                           "train.seq=8", "train.steps=1", "train.checkpoint_dir=ck"])
+  assert cfg.model.from_hf == str(tmp_path / "src")
+  train.run(cfg, progress=False)
+  (tmp_path / "elsewhere").mkdir()
+
+  def export(out, *extra):
+    return subprocess.run([sys.executable, "-m", "mtjax.export", "--checkpoint", str(tmp_path / "ck"),
+                           "--out", str(tmp_path / out), "--dtype", "float32", *extra],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path / "elsewhere",
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+  def exported_config(out):
+    got = json.loads((tmp_path / out / "config.json").read_text())
+    assert got["architectures"] == ["MistralForCausalLM"] and got["model_type"] == "mistral"
+    assert {k: v for k, v in got.items() if k not in ("dtype", "torch_dtype")} == {
+        k: v for k, v in want.items() if k not in ("dtype", "torch_dtype")}
+    for name, text in TOKENIZER.items():
+      assert (tmp_path / out / name).read_text() == text
+
+  r = export("out1")
+  assert r.returncode == 0, r.stderr
+  exported_config("out1")
+  shutil.rmtree(tmp_path / "src")  # the source is gone: the checkpoint's copy serves
+  r = export("out2")
+  assert r.returncode == 0, r.stderr
+  exported_config("out2")
+  shutil.rmtree(checkpoint.latest(tmp_path / "ck") / checkpoint.SOURCE_DIR)  # nothing left
+  r = export("out3")
+  assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+  assert "which is gone" in r.stderr and "--source" in r.stderr
+  assert not (tmp_path / "out3").exists()
+  r = export("out4", "--source", str(tmp_path / "out1"))  # the user says where the source is
+  assert r.returncode == 0, r.stderr
+  exported_config("out4")

@@ -94,7 +94,8 @@ def test_a_second_signal_abandons_the_step_without_a_traceback(tmp_path):
   assert len(ends) == 1, err  # one line says how it ended (the 2nd signal may land after the save)
 
 
-def test_sigkill_at_random_moments_thirty_times_then_resume_equals_uninterrupted(tmp_path):
+@pytest.mark.parametrize("n_kills", [6, pytest.param(50, marks=pytest.mark.soak)])
+def test_sigkill_at_random_moments_then_resume_equals_uninterrupted(tmp_path, n_kills):
   # Kills land anywhere: during start-up, a step, a checkpoint's save (one group at a time, then
   # the rename) or the pruning of old ones. Every restart resumes from what is on disk.
   steps = 400
@@ -107,10 +108,10 @@ def test_sigkill_at_random_moments_thirty_times_then_resume_equals_uninterrupted
          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
   rng = random.Random(0)
   kills, during_startup = 0, 0
-  while kills < 30:
+  while kills < n_kills:
     before = checkpoint.latest(ck)
     proc = start(*over, env=env)
-    if rng.random() < 0.2:  # anywhere, start-up included
+    if kills == 0 or rng.random() < 0.2:  # anywhere, start-up included (the first always)
       time.sleep(rng.uniform(0.0, 4.0))
       during_startup += checkpoint.latest(ck) == before
     else:  # once training is under way: in a step, a save or a prune
@@ -122,7 +123,7 @@ def test_sigkill_at_random_moments_thirty_times_then_resume_equals_uninterrupted
     proc.kill()
     proc.wait()
     kills += 1
-  assert kills == 30 and during_startup > 0
+  assert kills == n_kills and during_startup > 0
   done = checkpoint.latest(tmp_path / "ck")
   assert done is not None and 0 < int(done.name.split("_")[1]) < steps  # progress, not finished
   n = int(done.name.split("_")[1]) + 2
@@ -226,7 +227,24 @@ def test_bad_inputs_are_one_line_errors_before_any_training(tmp_path, capsys, mo
   ck = tmp_path / "ck"
   assert main(*COMMON, "train.steps=2", f"train.checkpoint_dir={ck}")[0] == 0
   one_line_error(main(*COMMON, "model.hidden=32", "train.steps=3", f"train.checkpoint_dir={ck}"),
-                 "another layout")
+                 "another model", "model.hidden: 64 in the checkpoint, 32 in this run")
+  # The same parameter shapes (8 heads of 8 channels for 4 of 16) are another model all the same;
+  # refused before anything is allocated.
+  monkeypatch.setattr(store_lib, "create", lambda *a, **k: pytest.fail("allocated"))
+  one_line_error(main(*COMMON, "model.heads=8", "model.kv_heads=8", "train.steps=3",
+                      f"train.checkpoint_dir={ck}"), "another model", "model.heads")
+  monkeypatch.undo()
+  monkeypatch.setattr(logging.getLogger("mtjax"), "handlers", [])
+  # Held-out loss asked of prepared data without a val split: what to do about it, before training.
+  from test_data import write_prepared
+  prep = write_prepared(tmp_path / "prep", {"train": [list(range(2, 200))], "val": [[2, 3]]}, vocab=256)
+  meta = json.loads((prep / "meta.json").read_text())
+  meta["splits"]["val"] = {"documents": 0, "tokens": 0}
+  (prep / "meta.json").write_text(json.dumps(meta))
+  (prep / "val.bin").write_bytes(b"")
+  np.zeros(1, np.uint64).tofile(prep / "val.idx")
+  one_line_error(main("data.source=prepared", f"data.path={prep}", "train.eval_every=2"),
+                 "train.eval_every: 2 needs held-out documents", "--val-fraction")
   one_line_error(main(*COMMON, "train.steps=3", "train.resume=false", f"train.checkpoint_dir={ck}"),
                  "holds another run's checkpoints")
   assert checkpoint.steps(ck) == [ck / "step_2"]  # none of the refused runs wrote anything
