@@ -84,7 +84,10 @@ class ChatTemplate:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    self.template = env.from_string(source)
+    try:
+      self.template = env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+      raise ValueError(f"chat template: line {e.lineno}: {e.message}") from None
     self.special_tokens = dict(special_tokens or {})
 
   @classmethod
@@ -113,13 +116,16 @@ class ChatTemplate:
     return cls(source, {k: v for k, v in special.items() if v is not None})
 
   def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    """The conversation as text; a template's raise_exception becomes a ValueError."""
+    """The conversation as text; any failure of the template becomes a one-line ValueError."""
     try:
       return self.template.render(messages=messages, tools=None, documents=None,
                                   add_generation_prompt=add_generation_prompt,
                                   **self.special_tokens)
     except jinja2.exceptions.TemplateError as e:
       raise ValueError(f"chat template: {e}") from None
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
+      # the template is code from the model's files: its bugs are an input error, not ours
+      raise ValueError(f"chat template: {type(e).__name__}: {e}") from None
 
   def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     """Renders `messages` and returns the text with the character span each assistant message adds.

@@ -1,5 +1,7 @@
 """Data: deterministic batches from the synthetic stream and from a flat token file."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -52,8 +54,10 @@ def test_token_file_errors(tmp_path):
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 from tokenizers import Tokenizer
 
@@ -355,3 +359,60 @@ def test_padded_leaves_out_documents_without_a_counted_target(tmp_path):
                            masks={"train": masks[2:3], "val": masks[2:3]})
   with pytest.raises(ValueError, match="no document"):
     data.source(prepared_cfg(prompts, mode="padded"), 2, 8, 500, seed=0)
+
+
+def prepare_cli(*args, cwd):
+  """Runs `python -m mtjax.data prepare ARGS` as a user would, on the mtjax under test."""
+  env = {**os.environ, "PYTHONPATH": str(Path(data.__file__).parents[1])}
+  return subprocess.run([sys.executable, "-m", "mtjax.data", "prepare", *map(str, args)],
+                        capture_output=True, text=True, timeout=60, env=env, cwd=cwd)
+
+
+CLI_ERRORS = {  # case: what the one line of stderr names
+    "missing input": r"missing\.jsonl: no such file",
+    "bad json": r"docs\.jsonl:2: bad JSON",
+    "out is a file": r"--out: .*taken is a file, not a directory",
+    "out under a file": r"--out: .*taken/sub lies under .*taken, a file",
+    "out file is a folder": r"--out: cannot write .*train\.bin \(Is a directory\)",
+    "disk full": r"--out: cannot write .*train\.bin \(No space left on device\)",
+    "broken template": r"chat template: line 1: ",
+    "usage": r"argument --workers: invalid int value",
+}
+
+
+@pytest.mark.parametrize("case", CLI_ERRORS)
+def test_prepare_cli_error_is_one_line_and_exit_2(tmp_path, case):
+  if case == "disk full" and not Path("/dev/full").exists():
+    pytest.skip("no /dev/full")
+  tok_dir = make_tokenizer(tmp_path / "tok")
+  out, taken = tmp_path / "out", tmp_path / "taken"
+  taken.write_text("not a folder")
+  docs, fmt, extra = tmp_path / "docs.jsonl", "jsonl", []
+  docs.write_text('{"text": "hello world"}\n')
+  if case == "missing input":
+    docs = tmp_path / "missing.jsonl"
+  elif case == "bad json":
+    docs.write_text('{"text": "hello world"}\n{"text": oops}\n')
+  elif case in ("out is a file", "out under a file"):
+    # refused before the inputs are read: the missing input is not what the error names
+    out = taken if case == "out is a file" else taken / "sub"
+    docs = tmp_path / "missing.jsonl"
+  elif case == "out file is a folder":
+    (out / "train.bin").mkdir(parents=True)
+  elif case == "disk full":
+    out.mkdir()
+    (out / "train.bin").symlink_to("/dev/full")
+  elif case == "broken template":
+    docs, fmt = tmp_path / "chat.jsonl", "chat"
+    docs.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS))
+    cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(
+        {**cfg, "chat_template": "{% for m in messages %}{{ m.content }"}))
+  elif case == "usage":
+    extra = ["--workers", "x"]
+  r = prepare_cli("--tokenizer", tok_dir, "--out", out, "--format", fmt, "--val-fraction", "0",
+                  "--quiet", *extra, docs, cwd=tmp_path)
+  lines = r.stderr.strip().splitlines()
+  assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+  assert re.search(CLI_ERRORS[case], lines[0]), lines[0]
+  assert taken.read_text() == "not a folder" and not (out / "meta.json").exists()
