@@ -75,6 +75,21 @@ def load_tokenizer_config(path: str | Path) -> dict:
     raise ValueError(f"{cfg}: not a readable JSON file ({e})") from None
 
 
+# The roles a conversation may hold: the ones chat templates know. Anything else is a typo or a
+# format the template would render wrongly or not at all.
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_messages(messages: list[dict]) -> None:
+  """Raises ValueError naming the first message with an unknown role or an empty assistant turn."""
+  for k, m in enumerate(messages):
+    if m.get("role") not in ROLES:
+      raise ValueError(f"messages[{k}] has unknown role {m.get('role')!r} (not one of "
+                       f"{', '.join(ROLES)})")
+    if m["role"] == "assistant" and not str(m.get("content") or "").strip():
+      raise ValueError(f"messages[{k}] is an empty assistant message: nothing to train on")
+
+
 class ChatTemplate:
   """A tokenizer's chat template, rendered as transformers' `apply_chat_template` renders it."""
 
@@ -181,11 +196,12 @@ def encode_chat(tokenizer, template: ChatTemplate, messages: list[dict]
   Args:
     tokenizer: a `tokenizers.Tokenizer`.
     template: the tokenizer's chat template.
-    messages: [{"role": ..., "content": ...}, ...].
+    messages: [{"role": ..., "content": ...}, ...], roles from ROLES, no empty assistant message.
 
   Returns:
     (ids [n] int64, loss mask [n] uint8: 1 on the assistant messages' tokens).
   """
+  check_messages(messages)
   text, spans = template.assistant_spans(messages)
   enc = tokenizer.encode(text, add_special_tokens=False)
   return np.asarray(enc.ids, np.int64), loss_mask(enc.offsets, spans)

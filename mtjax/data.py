@@ -422,6 +422,7 @@ def _count_docs(f: Path, fmt: str) -> int:
 
 
 def _parse_line(f: Path, lineno: int, line: str, fmt: str, text_field: str):
+  from mtjax import chat
   where = f"{f}:{lineno}"
   try:
     obj = json.loads(line)
@@ -441,8 +442,14 @@ def _parse_line(f: Path, lineno: int, line: str, fmt: str, text_field: str):
       raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} strings")
     if not any(m["role"] == "assistant" for m in msgs):
       raise ValueError(f"{where}: conversation has no assistant message to train on")
+    try:
+      chat.check_messages(msgs)
+    except ValueError as e:
+      raise ValueError(f"{where}: {e}") from None
     return msgs
   if isinstance(obj.get("prompt"), str) and isinstance(obj.get("response"), str):
+    if not obj["response"].strip():
+      raise ValueError(f"{where}: empty 'response': nothing to train on")
     return [{"role": "user", "content": obj["prompt"]},
             {"role": "assistant", "content": obj["response"]}]
   raise ValueError(f"{where}: expected 'messages' or string 'prompt' and 'response'")

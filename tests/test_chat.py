@@ -155,3 +155,13 @@ def test_template_that_rewrites_history_is_refused(tmp_path):
                         "{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}")
   with pytest.raises(ValueError, match="not a prefix"):
     t.assistant_spans(CONVERSATIONS[1])
+
+
+def test_unknown_roles_and_empty_assistant_messages_are_refused():
+  t = chat.ChatTemplate(CHATML)
+  with pytest.raises(ValueError, match=r"messages\[1\] has unknown role 'bot'"):
+    chat.check_messages([{"role": "user", "content": "hi"}, {"role": "bot", "content": "hello"}])
+  with pytest.raises(ValueError, match=r"messages\[1\] is an empty assistant message"):
+    chat.encode_chat(None, t, [{"role": "user", "content": "hi"},
+                               {"role": "assistant", "content": " \n "}])
+  chat.check_messages([{"role": r, "content": "x"} for r in chat.ROLES])

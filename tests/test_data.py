@@ -375,6 +375,8 @@ CLI_ERRORS = {  # case: what the one line of stderr names
     "out under a file": r"--out: .*taken/sub lies under .*taken, a file",
     "out file is a folder": r"--out: cannot write .*train\.bin \(Is a directory\)",
     "disk full": r"--out: cannot write .*train\.bin \(No space left on device\)",
+    "unknown role": r"chat\.jsonl:2: messages\[1\] has unknown role 'bot'",
+    "empty assistant message": r"chat\.jsonl:2: messages\[1\] is an empty assistant message",
     "broken template": r"chat template: line 1: ",
     "usage": r"argument --workers: invalid int value",
 }
@@ -402,12 +404,18 @@ def test_prepare_cli_error_is_one_line_and_exit_2(tmp_path, case):
   elif case == "disk full":
     out.mkdir()
     (out / "train.bin").symlink_to("/dev/full")
-  elif case == "broken template":
+  elif case in ("unknown role", "empty assistant message", "broken template"):
     docs, fmt = tmp_path / "chat.jsonl", "chat"
-    docs.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS))
-    cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
-    (tok_dir / "tokenizer_config.json").write_text(json.dumps(
-        {**cfg, "chat_template": "{% for m in messages %}{{ m.content }"}))
+    line2 = {"unknown role": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "hi"},
+                              {"role": "assistant", "content": "hello"}],
+             "empty assistant message": [{"role": "user", "content": "hi"},
+                                         {"role": "assistant", "content": " \n"}],
+             "broken template": CONVERSATIONS[1]}[case]
+    docs.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (CONVERSATIONS[0], line2)))
+    if case == "broken template":
+      cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
+      (tok_dir / "tokenizer_config.json").write_text(json.dumps(
+          {**cfg, "chat_template": "{% for m in messages %}{{ m.content }"}))
   elif case == "usage":
     extra = ["--workers", "x"]
   r = prepare_cli("--tokenizer", tok_dir, "--out", out, "--format", fmt, "--val-fraction", "0",
@@ -416,3 +424,25 @@ def test_prepare_cli_error_is_one_line_and_exit_2(tmp_path, case):
   assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
   assert re.search(CLI_ERRORS[case], lines[0]), lines[0]
   assert taken.read_text() == "not a folder" and not (out / "meta.json").exists()
+
+
+def test_prepare_refuses_unknown_roles_and_empty_assistant_messages(tmp_path):
+  tok_dir = make_tokenizer(tmp_path / "tok")
+  f = tmp_path / "chat.jsonl"
+  cases = {
+      r"chat\.jsonl:2: messages\[2\] has unknown role 'Assistant'":
+          [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+           {"role": "Assistant", "content": "hello"}, {"role": "assistant", "content": "hello"}],
+      r"chat\.jsonl:2: messages\[3\] is an empty assistant message":
+          [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+           {"role": "user", "content": "and?"}, {"role": "assistant", "content": "\t "}],
+  }
+  for error, msgs in cases.items():
+    f.write_text(json.dumps({"messages": CONVERSATIONS[0]}) + "\n"
+                 + json.dumps({"messages": msgs}) + "\n")
+    with pytest.raises(ValueError, match=error):
+      data.prepare(tok_dir, tmp_path / "out", [str(f)], fmt="chat", val_fraction=0,
+                   progress=False)
+  f.write_text(json.dumps({"prompt": "hi", "response": ""}) + "\n")
+  with pytest.raises(ValueError, match=r"chat\.jsonl:1: empty 'response'"):
+    data.prepare(tok_dir, tmp_path / "out", [str(f)], fmt="chat", val_fraction=0, progress=False)
