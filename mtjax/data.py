@@ -483,8 +483,11 @@ def _encode_chunk(chunk: list[tuple[str, object]]) -> list[tuple[np.ndarray, np.
   tok, eos = _WORKER["tok"], _WORKER["eos"]
   out = []
   if _WORKER["fmt"] != "chat":
-    for enc in tok.encode_batch([doc for _, doc in chunk], add_special_tokens=False):
-      out.append((np.asarray(enc.ids + [eos], np.int64), None))
+    # A document is encoded as in pre-training: the post-processor adds what the model saw around
+    # each one (a Llama BOS). EOS separates documents, once, also where the post-processor adds it.
+    for enc in tok.encode_batch([doc for _, doc in chunk], add_special_tokens=True):
+      ids = enc.ids if enc.ids and enc.ids[-1] == eos else enc.ids + [eos]
+      out.append((np.asarray(ids, np.int64), None))
     return out
   for where, msgs in chunk:
     try:

@@ -59,7 +59,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, processors
 
 from mtjax import chat
 from test_chat import CONVERSATIONS, make_tokenizer
@@ -446,3 +446,35 @@ def test_prepare_refuses_unknown_roles_and_empty_assistant_messages(tmp_path):
   f.write_text(json.dumps({"prompt": "hi", "response": ""}) + "\n")
   with pytest.raises(ValueError, match=r"chat\.jsonl:1: empty 'response'"):
     data.prepare(tok_dir, tmp_path / "out", [str(f)], fmt="chat", val_fraction=0, progress=False)
+
+
+@pytest.mark.parametrize("fmt", ["text", "jsonl"])
+@pytest.mark.parametrize("post", ["bos", "bos and eos", "none"])
+def test_prepare_encodes_text_as_the_post_processor_does(tmp_path, fmt, post):
+  tok_dir = make_tokenizer(tmp_path / "tok")
+  plain = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+  bos, eos = plain.token_to_id("<|begin_of_text|>"), plain.token_to_id("<|im_end|>")
+  if post != "none":  # as Llama 3's tokenizer.json: byte-level offsets, then a template adding BOS
+    single = "<|begin_of_text|> $A" + (" <|im_end|>" if post == "bos and eos" else "")
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=True),
+        processors.TemplateProcessing(single=single, special_tokens=[("<|begin_of_text|>", bos),
+                                                                     ("<|im_end|>", eos)])])
+    tok.save(str(tok_dir / "tokenizer.json"))
+  texts = ["hello world", "The quick brown fox jumps over the lazy dog."]
+  if fmt == "text":
+    for i, t in enumerate(texts):
+      (tmp_path / f"{i}.txt").write_text(t)
+    inputs = [str(tmp_path / f"{i}.txt") for i in range(len(texts))]
+  else:
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    inputs = [str(tmp_path / "docs.jsonl")]
+  data.prepare(tok_dir, tmp_path / "out", inputs, fmt=fmt, val_fraction=0, progress=False)
+  toks = np.fromfile(tmp_path / "out" / "train.bin", np.uint16).tolist()
+  idx = np.fromfile(tmp_path / "out" / "train.idx", np.uint64).tolist()
+  # each document as the model saw it in pre-training: BOS first where the post-processor adds one,
+  # then the text's tokens, then one EOS between documents
+  first = [bos] if post != "none" else []
+  want = [first + plain.encode(t, add_special_tokens=False).ids + [eos] for t in texts]
+  assert [toks[a:b] for a, b in zip(idx[:-1], idx[1:])] == want
