@@ -18,8 +18,13 @@ _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_toke
 
 
 class _Generation(jinja2.ext.Extension):
-  """Accepts transformers' `{% generation %}...{% endgeneration %}` tags; renders the body as is."""
+  """transformers' `{% generation %}...{% endgeneration %}` tags: renders the body as is and, while
+  ChatTemplate tracks a rendering, records the character span the body fills."""
   tags = {"generation"}
+
+  def __init__(self, environment):
+    super().__init__(environment)
+    self.tracking = None  # [characters rendered so far, spans] while a rendering is tracked
 
   def parse(self, parser):
     lineno = next(parser.stream).lineno
@@ -27,7 +32,11 @@ class _Generation(jinja2.ext.Extension):
     return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
 
   def _render(self, caller):
-    return caller()
+    text = caller()
+    if self.tracking is not None:
+      start = self.tracking[0]
+      self.tracking[1].append((start, start + len(text)))
+    return text
 
 
 def _raise_exception(message):
@@ -91,7 +100,11 @@ def check_messages(messages: list[dict]) -> None:
 
 
 class ChatTemplate:
-  """A tokenizer's chat template, rendered as transformers' `apply_chat_template` renders it."""
+  """A tokenizer's chat template, rendered as transformers' `apply_chat_template` renders it.
+
+  mask_method says how assistant_spans finds the assistant tokens: "generation_tags" when the
+  template marks them with `{% generation %}` tags, else "render_diff".
+  """
 
   def __init__(self, source: str, special_tokens: dict[str, str] | None = None):
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -100,9 +113,16 @@ class ChatTemplate:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     try:
-      self.template = env.from_string(source)
+      ast = env.parse(source)
     except jinja2.exceptions.TemplateSyntaxError as e:
       raise ValueError(f"chat template: line {e.lineno}: {e.message}") from None
+    self.template = env.from_string(ast)
+    self._generation = env.extensions[_Generation.identifier]
+    tagged = any(isinstance(n.call, jinja2.nodes.Call)
+                 and isinstance(n.call.node, jinja2.nodes.ExtensionAttribute)
+                 and n.call.node.identifier == _Generation.identifier
+                 for n in ast.find_all(jinja2.nodes.CallBlock))
+    self.mask_method = "generation_tags" if tagged else "render_diff"
     self.special_tokens = dict(special_tokens or {})
 
   @classmethod
@@ -132,23 +152,49 @@ class ChatTemplate:
 
   def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
     """The conversation as text; any failure of the template becomes a one-line ValueError."""
+    return self._generate(messages, add_generation_prompt)
+
+  def _generate(self, messages: list[dict], add_generation_prompt: bool,
+                tracking: list | None = None) -> str:
+    # With `tracking` ([0, []]), the generation tags record where their text starts from the count
+    # of characters yielded so far, as transformers does: a generator yields each piece before it
+    # renders the next.
+    parts = []
+    self._generation.tracking = tracking
     try:
-      return self.template.render(messages=messages, tools=None, documents=None,
-                                  add_generation_prompt=add_generation_prompt,
-                                  **self.special_tokens)
+      for chunk in self.template.generate(messages=messages, tools=None, documents=None,
+                                          add_generation_prompt=add_generation_prompt,
+                                          **self.special_tokens):
+        parts.append(chunk)
+        if tracking is not None:
+          tracking[0] += len(chunk)
     except jinja2.exceptions.TemplateError as e:
       raise ValueError(f"chat template: {e}") from None
     except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
       # the template is code from the model's files: its bugs are an input error, not ours
       raise ValueError(f"chat template: {type(e).__name__}: {e}") from None
+    finally:
+      self._generation.tracking = None
+    return "".join(parts)
 
   def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """Renders `messages` and returns the text with the character span each assistant message adds.
+    """Renders `messages` and returns the text with the character spans of the assistant turns.
 
-    A span runs from the end of the prompt the template renders before the message (its header, as
-    `add_generation_prompt` renders it) to the end of the message's turn, trailing whitespace
-    dropped: the content and the end-of-turn token the model must learn to emit.
+    With generation tags (mask_method "generation_tags"), the spans are the characters rendered
+    inside the tags, as transformers' `return_assistant_tokens_mask` takes them. Otherwise
+    ("render_diff"), the span of each assistant message runs from the end of the prompt the template
+    renders before it (its header, as `add_generation_prompt` renders it) to the end of its turn:
+    the text the model must generate, end-of-turn token included, trailing whitespace dropped.
+
+    Raises:
+      ValueError: the template fails, or its tags mark nothing.
     """
+    if self.mask_method == "generation_tags":
+      text, spans = self._tagged_spans(messages)
+      if not any(b > a for a, b in spans):
+        raise ValueError("chat template: its {% generation %} tags mark nothing in this "
+                         "conversation")
+      return text, spans
     text = self.render(messages)
     spans = []
     for i, m in enumerate(messages):
@@ -165,6 +211,11 @@ class ChatTemplate:
       if end > len(before):
         spans.append((len(before), end))
     return text, spans
+
+  def _tagged_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    tracking = [0, []]
+    text = self._generate(messages, False, tracking)
+    return text, tracking[1]
 
 
 def loss_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
@@ -195,7 +246,7 @@ def encode_chat(tokenizer, template: ChatTemplate, messages: list[dict]
 
   Args:
     tokenizer: a `tokenizers.Tokenizer`.
-    template: the tokenizer's chat template.
+    template: the tokenizer's chat template; its mask_method says how the mask was found.
     messages: [{"role": ..., "content": ...}, ...], roles from ROLES, no empty assistant message.
 
   Returns:

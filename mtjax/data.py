@@ -607,7 +607,8 @@ def prepare(tokenizer: str | Path, out: str | Path, inputs: list[str], fmt: str 
     progress: show a tqdm bar.
 
   Returns:
-    The meta.json contents.
+    The meta.json contents; for chat, mask_method says how the loss mask found the assistant tokens
+    (generation_tags or render_diff, see chat.ChatTemplate).
 
   Raises:
     ValueError: a bad argument or input, or --out cannot be written (one line naming it).
@@ -637,8 +638,9 @@ def prepare(tokenizer: str | Path, out: str | Path, inputs: list[str], fmt: str 
     raise ValueError(f"--eos: {eos!r} is not a token of {tok_file}")
   pad = chat.token_text(tok_cfg.get("pad_token"))
   pad_id = tok.token_to_id(pad) if pad is not None and tok.token_to_id(pad) is not None else eos_id
+  mask_method = None
   if fmt == "chat":  # no template, or a broken one, is an error now, not in a worker
-    chat.ChatTemplate.from_tokenizer(tok_file)
+    mask_method = chat.ChatTemplate.from_tokenizer(tok_file).mask_method
   vocab = tok.get_vocab_size(with_added_tokens=True)
   dtype = np.dtype(np.uint16 if vocab <= 65536 else np.uint32)
   files = _input_files(inputs)
@@ -660,6 +662,8 @@ def prepare(tokenizer: str | Path, out: str | Path, inputs: list[str], fmt: str 
       "tokenizer_sha256": hashlib.sha256(tok_file.read_bytes()).hexdigest(),
       "inputs": [str(f) for f in files],
   }
+  if mask_method:
+    meta["mask_method"] = mask_method
   try:
     meta["splits"] = _write(out, files, fmt, text_field, is_val, dtype, workers,
                             (str(tok_file), fmt, eos_id), progress)
@@ -698,6 +702,10 @@ def main(argv: list[str] | None = None):
   except (ValueError, OSError) as e:
     print("error: " + " ".join(str(e).split("\n")), file=sys.stderr)
     sys.exit(2)
+  if "mask_method" in meta:
+    how = {"generation_tags": "the template's {% generation %} tags",
+           "render_diff": "renders of the conversation cut before and after each assistant turn"}
+    print(f"loss mask: {meta['mask_method']} ({how[meta['mask_method']]})")
   print(json.dumps(meta["splits"]))
 
 

@@ -38,6 +38,19 @@ CHATML_TAGGED = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
+# Tags around the answer only, and earlier turns without their reasoning (as Qwen3 renders them).
+TAGGED_ANSWERS = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{%- set content = message['content'] if loop.last"
+    " else message['content'].split('</think>')[-1] %}"
+    "{% generation %}{{- content }}{% endgeneration %}"
+    "{%- else %}{{- message['content'] }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
 # Meta-Llama-3-8B-Instruct's template, verbatim.
 LLAMA3 = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
@@ -120,6 +133,7 @@ def test_ids_equal_transformers_and_mask_is_the_assistant_turns(tmp_path, style)
     got = [tok.decode(ids[a:b].tolist(), skip_special_tokens=False) for a, b in runs(mask)]
     strip = str.strip if style == "llama3" else (lambda s: s)  # Llama 3 trims the content
     assert got == [strip(a) + end for a in answers]
+  assert template.mask_method == "render_diff"
 
 
 def test_mask_equals_transformers_generation_tags(tmp_path):
@@ -133,6 +147,28 @@ def test_mask_equals_transformers_generation_tags(tmp_path):
                                   return_assistant_tokens_mask=True)
     assert ids.tolist() == want["input_ids"]
     assert mask.tolist() == want["assistant_masks"]
+  assert template.mask_method == "generation_tags"
+
+
+def test_generation_tags_mark_what_transformers_marks_where_cuts_differ(tmp_path):
+  d = make_tokenizer(tmp_path, TAGGED_ANSWERS)
+  tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+  template = chat.ChatTemplate.from_tokenizer(d)
+  hf = hf_tokenizer(d)
+  msgs = [{"role": "user", "content": "Hello, how are you?"},
+          {"role": "assistant", "content": "<think>Be kind.</think>I am fine, thank you."},
+          {"role": "user", "content": "And 1234?"},
+          {"role": "assistant", "content": "<think>A number.</think>A number."},
+          {"role": "user", "content": "The capital of France?"},
+          {"role": "assistant", "content": "<think>Easy.</think>Paris."}]
+  ids, mask = chat.encode_chat(tok, template, msgs)
+  want = hf.apply_chat_template(msgs, tokenize=True, return_dict=True,
+                                return_assistant_tokens_mask=True)
+  assert ids.tolist() == want["input_ids"]
+  assert mask.tolist() == want["assistant_masks"]
+  got = [tok.decode(ids[a:b].tolist(), skip_special_tokens=False) for a, b in runs(mask)]
+  assert got == ["I am fine, thank you.", "A number.", "<think>Easy.</think>Paris."]
+  assert template.mask_method == "generation_tags"
 
 
 def test_template_from_jinja_file_and_errors(tmp_path):

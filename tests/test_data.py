@@ -62,7 +62,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, processors
 
 from mtjax import chat
-from test_chat import CONVERSATIONS, make_tokenizer
+from test_chat import CHATML, CHATML_TAGGED, CONVERSATIONS, make_tokenizer
 
 PAD = 0
 
@@ -478,3 +478,29 @@ def test_prepare_encodes_text_as_the_post_processor_does(tmp_path, fmt, post):
   first = [bos] if post != "none" else []
   want = [first + plain.encode(t, add_special_tokens=False).ids + [eos] for t in texts]
   assert [toks[a:b] for a, b in zip(idx[:-1], idx[1:])] == want
+
+
+@pytest.mark.parametrize("method", ["render_diff", "generation_tags"])
+def test_prepare_chat_records_and_prints_the_mask_method(tmp_path, method):
+  tok_dir = make_tokenizer(tmp_path / "tok", CHATML if method == "render_diff" else CHATML_TAGGED)
+  msgs = [{"role": "user", "content": "Hello, how are you?"},
+          {"role": "assistant", "content": "<think>Be kind.</think>I am fine, thank you."},
+          {"role": "user", "content": "And 1234?"}, {"role": "assistant", "content": "A number."}]
+  f = tmp_path / "chat.jsonl"
+  f.write_text(json.dumps({"messages": msgs}) + "\n" + json.dumps({"messages": msgs[:2]}) + "\n")
+  r = prepare_cli("--tokenizer", tok_dir, "--out", tmp_path / "out", "--format", "chat",
+                  "--val-fraction", "0", "--quiet", f, cwd=tmp_path)
+  assert r.returncode == 0, r.stderr
+  assert r.stdout.splitlines()[0].startswith(f"loss mask: {method} (")
+  meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+  assert meta["mask_method"] == method and meta["splits"]["train"]["documents"] == 2
+  tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+  template = chat.ChatTemplate.from_tokenizer(tok_dir)
+  want = [chat.encode_chat(tok, template, m) for m in (msgs, msgs[:2])]
+  np.testing.assert_array_equal(np.fromfile(tmp_path / "out" / "train.bin", np.uint16),
+                                np.concatenate([i for i, _ in want]))
+  np.testing.assert_array_equal(np.fromfile(tmp_path / "out" / "train.mask", np.uint8),
+                                np.concatenate([m for _, m in want]))
+  text = data.prepare(tok_dir, tmp_path / "again", [str(f)], fmt="chat", val_fraction=0,
+                      progress=False)
+  assert text["mask_method"] == method
