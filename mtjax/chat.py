@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -184,10 +186,13 @@ class ChatTemplate:
     inside the tags, as transformers' `return_assistant_tokens_mask` takes them. Otherwise
     ("render_diff"), the span of each assistant message runs from the end of the prompt the template
     renders before it (its header, as `add_generation_prompt` renders it) to the end of its turn:
-    the text the model must generate, end-of-turn token included, trailing whitespace dropped.
+    the text the model must generate, end-of-turn token included, trailing whitespace dropped. The
+    spans are positions in the rendering of the whole conversation, also when the template renders
+    a turn there otherwise than as the last message (it drops earlier turns' reasoning, or moves
+    the system message), and a message the whole rendering leaves out has none.
 
     Raises:
-      ValueError: the template fails, or its tags mark nothing.
+      ValueError: the template fails, or the rendering holds no assistant text at all.
     """
     if self.mask_method == "generation_tags":
       text, spans = self._tagged_spans(messages)
@@ -200,22 +205,117 @@ class ChatTemplate:
     for i, m in enumerate(messages):
       if m.get("role") != "assistant":
         continue
-      before = self.render(messages[:i], add_generation_prompt=True)
-      through = self.render(messages[:i + 1])
-      # Prefix renderings locate the message only if the template renders a conversation's prefix
-      # as a prefix of the whole; templates that rewrite earlier turns would mask the wrong tokens.
-      if not (through.startswith(before) and text.startswith(through)):
-        raise ValueError(f"chat template: rendering of messages[:{i + 1}] is not a prefix of the "
-                         "whole conversation; cannot locate the assistant tokens")
-      end = len(through.rstrip())
-      if end > len(before):
-        spans.append((len(before), end))
+      span = self._turn_span(messages, i, text)
+      if span is None:
+        continue
+      if spans and span[0] < spans[-1][1]:
+        raise ValueError(f"chat template: cannot locate assistant message {i} in the rendering "
+                         "(it overlaps the previous one)")
+      spans.append(span)
+    if not spans:
+      raise ValueError("chat template: the rendering holds none of the assistant messages")
     return text, spans
 
   def _tagged_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     tracking = [0, []]
     text = self._generate(messages, False, tracking)
     return text, tracking[1]
+
+  def _turn_span(self, messages: list[dict], i: int, full: str) -> tuple[int, int] | None:
+    """The span of assistant message i in `full`, the rendering of `messages`; None if absent."""
+    before = self.render(messages[:i], add_generation_prompt=True)
+    through = self.render(messages[:i + 1])
+    eos = self.special_tokens.get("eos_token")
+    end = len(through.rstrip())
+    tail = through[len(before):end]
+    if (through.startswith(before) and full.startswith(through)
+        and not (eos and eos in tail and tail[tail.rfind(eos) + len(eos):].strip())):
+      # The template renders a prefix of the conversation as a prefix of the whole: the message's
+      # turn is what the cut after it adds to the cut before it (up to an EOS: templates that
+      # render more after it, a new generation prompt, take the way below).
+      return (len(before), end) if end > len(before) else None
+    # The template renders the cuts otherwise than the whole (it rewrites earlier turns or moves
+    # text by position). The message's content is found in the whole rendering by rendering it
+    # again with the content replaced by a character none of these renderings holds: the two
+    # differ exactly where the template puts the content.
+    probe = _probe(full, before, through)
+    probed = dict(messages[i], content=probe)
+    alt = self.render(messages[:i] + [probed] + messages[i + 1:])
+    if alt == full:
+      return None  # the whole rendering leaves the message out: nothing of it to train on
+    c0 = _common_prefix(full, alt)
+    c1 = len(full) - _common_suffix(full, alt, c0)
+    # The start: the end of the prompt before the message, as the generation prompt renders it.
+    # Where the whole rendering holds that prompt otherwise (a system message it moves), the end is
+    # where the whole rendering's text before the content ends with most of the prompt's last
+    # characters (the header and the user message before it).
+    if full.startswith(before):
+      start = len(before)
+    else:
+      start = _aligned_end(before, full, _common_prefix(before, full), c0)
+    start = min(start, c0)
+    # The end: what the template renders after the content when the message is the last one (its
+    # end of turn, up to an EOS), as far as the whole rendering holds it after the content, in
+    # whole pieces: where the two differ inside a marker ("<|end|>\n<|user|>" against
+    # "<|end|>\n</s>"), the marker belongs to what follows.
+    cut_alt = self.render(messages[:i] + [probed])
+    closing = through[len(through) - _common_suffix(through, cut_alt,
+                                                    _common_prefix(through, cut_alt)):]
+    if eos and eos in closing:
+      closing = closing[:closing.index(eos) + len(eos)]
+    n = _whole_pieces(closing, _common_prefix(full[c1:c1 + len(closing)], closing))
+    end = c1 + len(closing[:n].rstrip())
+    return (start, end) if end > start else None
+
+
+def _common_prefix(a: str, b: str) -> int:
+  """The length of the longest common prefix of a and b."""
+  return len(os.path.commonprefix([a, b]))
+
+
+def _common_suffix(a: str, b: str, keep: int = 0) -> int:
+  """The length of the longest common suffix of a[keep:] and b[keep:]."""
+  a, b = a[keep:], b[keep:]
+  n = 0
+  while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+    n += 1
+  return n
+
+
+def _aligned_end(a: str, b: str, lo: int, hi: int) -> int:
+  """The position j in [lo, hi] at which b[:j] ends with the longest suffix of a (the last of
+  equals, as near as can be to hi); hi where no position matches a character."""
+  best, at = 0, hi
+  for j in range(hi, lo - 1, -1):
+    n = 0
+    while n < min(len(a), j) and a[-1 - n] == b[j - 1 - n]:
+      n += 1
+    if n > best:
+      best, at = n, j
+  return at
+
+
+# The pieces a template's text is made of, for cutting a partial match at a whole one: whitespace
+# runs, <tags>, [TAGS] and runs of other characters.
+_PIECES = re.compile(r"\s+|<[^<>\s]*>|\[[^\[\]\s]*\]|[^\s<\[]+|.", re.S)
+
+
+def _whole_pieces(text: str, n: int) -> int:
+  """The length of the longest prefix of text[:n] that ends where a piece of text ends."""
+  end = 0
+  for m in _PIECES.finditer(text):
+    if m.end() > n:
+      break
+    end = m.end()
+  return end
+
+
+def _probe(*texts: str) -> str:
+  """A character none of `texts` holds, from Unicode's private use area."""
+  for code in range(0xE000, 0xF900):
+    if not any(chr(code) in t for t in texts):
+      return chr(code)
+  raise ValueError("chat template: the rendering holds every private-use character")
 
 
 def loss_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:

@@ -62,7 +62,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, processors
 
 from mtjax import chat
-from test_chat import CHATML, CHATML_TAGGED, CONVERSATIONS, make_tokenizer
+from test_chat import CHATML_TAGGED, CONVERSATIONS, SPECIALS, TEMPLATES, make_tokenizer
 
 PAD = 0
 
@@ -482,7 +482,11 @@ def test_prepare_encodes_text_as_the_post_processor_does(tmp_path, fmt, post):
 
 @pytest.mark.parametrize("method", ["render_diff", "generation_tags"])
 def test_prepare_chat_records_and_prints_the_mask_method(tmp_path, method):
-  tok_dir = make_tokenizer(tmp_path / "tok", CHATML if method == "render_diff" else CHATML_TAGGED)
+  if method == "render_diff":  # Qwen3's template, which rewrites earlier turns
+    tok_dir = make_tokenizer(tmp_path / "tok", (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text(),
+                             specials=SPECIALS + ["<think>", "</think>"])
+  else:
+    tok_dir = make_tokenizer(tmp_path / "tok", CHATML_TAGGED)
   msgs = [{"role": "user", "content": "Hello, how are you?"},
           {"role": "assistant", "content": "<think>Be kind.</think>I am fine, thank you."},
           {"role": "user", "content": "And 1234?"}, {"role": "assistant", "content": "A number."}]
