@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +20,13 @@ _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_toke
 
 
 class _Generation(jinja2.ext.Extension):
-  """Accepts transformers' `{% generation %}...{% endgeneration %}` tags; renders the body as is."""
+  """transformers' `{% generation %}...{% endgeneration %}` tags: renders the body as is and, while
+  ChatTemplate tracks a rendering, records the character span the body fills."""
   tags = {"generation"}
+
+  def __init__(self, environment):
+    super().__init__(environment)
+    self.tracking = None  # [characters rendered so far, spans] while a rendering is tracked
 
   def parse(self, parser):
     lineno = next(parser.stream).lineno
@@ -27,7 +34,11 @@ class _Generation(jinja2.ext.Extension):
     return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
 
   def _render(self, caller):
-    return caller()
+    text = caller()
+    if self.tracking is not None:
+      start = self.tracking[0]
+      self.tracking[1].append((start, start + len(text)))
+    return text
 
 
 def _raise_exception(message):
@@ -75,8 +86,27 @@ def load_tokenizer_config(path: str | Path) -> dict:
     raise ValueError(f"{cfg}: not a readable JSON file ({e})") from None
 
 
+# The roles a conversation may hold: the ones chat templates know. Anything else is a typo or a
+# format the template would render wrongly or not at all.
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_messages(messages: list[dict]) -> None:
+  """Raises ValueError naming the first message with an unknown role or an empty assistant turn."""
+  for k, m in enumerate(messages):
+    if m.get("role") not in ROLES:
+      raise ValueError(f"messages[{k}] has unknown role {m.get('role')!r} (not one of "
+                       f"{', '.join(ROLES)})")
+    if m["role"] == "assistant" and not str(m.get("content") or "").strip():
+      raise ValueError(f"messages[{k}] is an empty assistant message: nothing to train on")
+
+
 class ChatTemplate:
-  """A tokenizer's chat template, rendered as transformers' `apply_chat_template` renders it."""
+  """A tokenizer's chat template, rendered as transformers' `apply_chat_template` renders it.
+
+  mask_method says how assistant_spans finds the assistant tokens: "generation_tags" when the
+  template marks them with `{% generation %}` tags, else "render_diff".
+  """
 
   def __init__(self, source: str, special_tokens: dict[str, str] | None = None):
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -84,7 +114,17 @@ class ChatTemplate:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    self.template = env.from_string(source)
+    try:
+      ast = env.parse(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+      raise ValueError(f"chat template: line {e.lineno}: {e.message}") from None
+    self.template = env.from_string(ast)
+    self._generation = env.extensions[_Generation.identifier]
+    tagged = any(isinstance(n.call, jinja2.nodes.Call)
+                 and isinstance(n.call.node, jinja2.nodes.ExtensionAttribute)
+                 and n.call.node.identifier == _Generation.identifier
+                 for n in ast.find_all(jinja2.nodes.CallBlock))
+    self.mask_method = "generation_tags" if tagged else "render_diff"
     self.special_tokens = dict(special_tokens or {})
 
   @classmethod
@@ -113,37 +153,169 @@ class ChatTemplate:
     return cls(source, {k: v for k, v in special.items() if v is not None})
 
   def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    """The conversation as text; a template's raise_exception becomes a ValueError."""
+    """The conversation as text; any failure of the template becomes a one-line ValueError."""
+    return self._generate(messages, add_generation_prompt)
+
+  def _generate(self, messages: list[dict], add_generation_prompt: bool,
+                tracking: list | None = None) -> str:
+    # With `tracking` ([0, []]), the generation tags record where their text starts from the count
+    # of characters yielded so far, as transformers does: a generator yields each piece before it
+    # renders the next.
+    parts = []
+    self._generation.tracking = tracking
     try:
-      return self.template.render(messages=messages, tools=None, documents=None,
-                                  add_generation_prompt=add_generation_prompt,
-                                  **self.special_tokens)
+      for chunk in self.template.generate(messages=messages, tools=None, documents=None,
+                                          add_generation_prompt=add_generation_prompt,
+                                          **self.special_tokens):
+        parts.append(chunk)
+        if tracking is not None:
+          tracking[0] += len(chunk)
     except jinja2.exceptions.TemplateError as e:
       raise ValueError(f"chat template: {e}") from None
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
+      # the template is code from the model's files: its bugs are an input error, not ours
+      raise ValueError(f"chat template: {type(e).__name__}: {e}") from None
+    finally:
+      self._generation.tracking = None
+    return "".join(parts)
 
   def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """Renders `messages` and returns the text with the character span each assistant message adds.
+    """Renders `messages` and returns the text with the character spans of the assistant turns.
 
-    A span runs from the end of the prompt the template renders before the message (its header, as
-    `add_generation_prompt` renders it) to the end of the message's turn, trailing whitespace
-    dropped: the content and the end-of-turn token the model must learn to emit.
+    With generation tags (mask_method "generation_tags"), the spans are the characters rendered
+    inside the tags, as transformers' `return_assistant_tokens_mask` takes them. Otherwise
+    ("render_diff"), the span of each assistant message runs from the end of the prompt the template
+    renders before it (its header, as `add_generation_prompt` renders it) to the end of its turn:
+    the text the model must generate, end-of-turn token included, trailing whitespace dropped. The
+    spans are positions in the rendering of the whole conversation, also when the template renders
+    a turn there otherwise than as the last message (it drops earlier turns' reasoning, or moves
+    the system message), and a message the whole rendering leaves out has none.
+
+    Raises:
+      ValueError: the template fails, or the rendering holds no assistant text at all.
     """
+    if self.mask_method == "generation_tags":
+      text, spans = self._tagged_spans(messages)
+      if not any(b > a for a, b in spans):
+        raise ValueError("chat template: its {% generation %} tags mark nothing in this "
+                         "conversation")
+      return text, spans
     text = self.render(messages)
     spans = []
     for i, m in enumerate(messages):
       if m.get("role") != "assistant":
         continue
-      before = self.render(messages[:i], add_generation_prompt=True)
-      through = self.render(messages[:i + 1])
-      # Prefix renderings locate the message only if the template renders a conversation's prefix
-      # as a prefix of the whole; templates that rewrite earlier turns would mask the wrong tokens.
-      if not (through.startswith(before) and text.startswith(through)):
-        raise ValueError(f"chat template: rendering of messages[:{i + 1}] is not a prefix of the "
-                         "whole conversation; cannot locate the assistant tokens")
-      end = len(through.rstrip())
-      if end > len(before):
-        spans.append((len(before), end))
+      span = self._turn_span(messages, i, text)
+      if span is None:
+        continue
+      if spans and span[0] < spans[-1][1]:
+        raise ValueError(f"chat template: cannot locate assistant message {i} in the rendering "
+                         "(it overlaps the previous one)")
+      spans.append(span)
+    if not spans:
+      raise ValueError("chat template: the rendering holds none of the assistant messages")
     return text, spans
+
+  def _tagged_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    tracking = [0, []]
+    text = self._generate(messages, False, tracking)
+    return text, tracking[1]
+
+  def _turn_span(self, messages: list[dict], i: int, full: str) -> tuple[int, int] | None:
+    """The span of assistant message i in `full`, the rendering of `messages`; None if absent."""
+    before = self.render(messages[:i], add_generation_prompt=True)
+    through = self.render(messages[:i + 1])
+    eos = self.special_tokens.get("eos_token")
+    end = len(through.rstrip())
+    tail = through[len(before):end]
+    if (through.startswith(before) and full.startswith(through)
+        and not (eos and eos in tail and tail[tail.rfind(eos) + len(eos):].strip())):
+      # The template renders a prefix of the conversation as a prefix of the whole: the message's
+      # turn is what the cut after it adds to the cut before it (up to an EOS: templates that
+      # render more after it, a new generation prompt, take the way below).
+      return (len(before), end) if end > len(before) else None
+    # The template renders the cuts otherwise than the whole (it rewrites earlier turns or moves
+    # text by position). The message's content is found in the whole rendering by rendering it
+    # again with the content replaced by a character none of these renderings holds: the two
+    # differ exactly where the template puts the content.
+    probe = _probe(full, before, through)
+    probed = dict(messages[i], content=probe)
+    alt = self.render(messages[:i] + [probed] + messages[i + 1:])
+    if alt == full:
+      return None  # the whole rendering leaves the message out: nothing of it to train on
+    c0 = _common_prefix(full, alt)
+    c1 = len(full) - _common_suffix(full, alt, c0)
+    # The start: the end of the prompt before the message, as the generation prompt renders it.
+    # Where the whole rendering holds that prompt otherwise (a system message it moves), the end is
+    # where the whole rendering's text before the content ends with most of the prompt's last
+    # characters (the header and the user message before it).
+    if full.startswith(before):
+      start = len(before)
+    else:
+      start = _aligned_end(before, full, _common_prefix(before, full), c0)
+    start = min(start, c0)
+    # The end: what the template renders after the content when the message is the last one (its
+    # end of turn, up to an EOS), as far as the whole rendering holds it after the content, in
+    # whole pieces: where the two differ inside a marker ("<|end|>\n<|user|>" against
+    # "<|end|>\n</s>"), the marker belongs to what follows.
+    cut_alt = self.render(messages[:i] + [probed])
+    closing = through[len(through) - _common_suffix(through, cut_alt,
+                                                    _common_prefix(through, cut_alt)):]
+    if eos and eos in closing:
+      closing = closing[:closing.index(eos) + len(eos)]
+    n = _whole_pieces(closing, _common_prefix(full[c1:c1 + len(closing)], closing))
+    end = c1 + len(closing[:n].rstrip())
+    return (start, end) if end > start else None
+
+
+def _common_prefix(a: str, b: str) -> int:
+  """The length of the longest common prefix of a and b."""
+  return len(os.path.commonprefix([a, b]))
+
+
+def _common_suffix(a: str, b: str, keep: int = 0) -> int:
+  """The length of the longest common suffix of a[keep:] and b[keep:]."""
+  a, b = a[keep:], b[keep:]
+  n = 0
+  while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+    n += 1
+  return n
+
+
+def _aligned_end(a: str, b: str, lo: int, hi: int) -> int:
+  """The position j in [lo, hi] at which b[:j] ends with the longest suffix of a (the last of
+  equals, as near as can be to hi); hi where no position matches a character."""
+  best, at = 0, hi
+  for j in range(hi, lo - 1, -1):
+    n = 0
+    while n < min(len(a), j) and a[-1 - n] == b[j - 1 - n]:
+      n += 1
+    if n > best:
+      best, at = n, j
+  return at
+
+
+# The pieces a template's text is made of, for cutting a partial match at a whole one: whitespace
+# runs, <tags>, [TAGS] and runs of other characters.
+_PIECES = re.compile(r"\s+|<[^<>\s]*>|\[[^\[\]\s]*\]|[^\s<\[]+|.", re.S)
+
+
+def _whole_pieces(text: str, n: int) -> int:
+  """The length of the longest prefix of text[:n] that ends where a piece of text ends."""
+  end = 0
+  for m in _PIECES.finditer(text):
+    if m.end() > n:
+      break
+    end = m.end()
+  return end
+
+
+def _probe(*texts: str) -> str:
+  """A character none of `texts` holds, from Unicode's private use area."""
+  for code in range(0xE000, 0xF900):
+    if not any(chr(code) in t for t in texts):
+      return chr(code)
+  raise ValueError("chat template: the rendering holds every private-use character")
 
 
 def loss_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
@@ -174,12 +346,13 @@ def encode_chat(tokenizer, template: ChatTemplate, messages: list[dict]
 
   Args:
     tokenizer: a `tokenizers.Tokenizer`.
-    template: the tokenizer's chat template.
-    messages: [{"role": ..., "content": ...}, ...].
+    template: the tokenizer's chat template; its mask_method says how the mask was found.
+    messages: [{"role": ..., "content": ...}, ...], roles from ROLES, no empty assistant message.
 
   Returns:
     (ids [n] int64, loss mask [n] uint8: 1 on the assistant messages' tokens).
   """
+  check_messages(messages)
   text, spans = template.assistant_spans(messages)
   enc = tokenizer.encode(text, add_special_tokens=False)
   return np.asarray(enc.ids, np.int64), loss_mask(enc.offsets, spans)

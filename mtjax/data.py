@@ -422,6 +422,7 @@ def _count_docs(f: Path, fmt: str) -> int:
 
 
 def _parse_line(f: Path, lineno: int, line: str, fmt: str, text_field: str):
+  from mtjax import chat
   where = f"{f}:{lineno}"
   try:
     obj = json.loads(line)
@@ -441,8 +442,14 @@ def _parse_line(f: Path, lineno: int, line: str, fmt: str, text_field: str):
       raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} strings")
     if not any(m["role"] == "assistant" for m in msgs):
       raise ValueError(f"{where}: conversation has no assistant message to train on")
+    try:
+      chat.check_messages(msgs)
+    except ValueError as e:
+      raise ValueError(f"{where}: {e}") from None
     return msgs
   if isinstance(obj.get("prompt"), str) and isinstance(obj.get("response"), str):
+    if not obj["response"].strip():
+      raise ValueError(f"{where}: empty 'response': nothing to train on")
     return [{"role": "user", "content": obj["prompt"]},
             {"role": "assistant", "content": obj["response"]}]
   raise ValueError(f"{where}: expected 'messages' or string 'prompt' and 'response'")
@@ -476,8 +483,11 @@ def _encode_chunk(chunk: list[tuple[str, object]]) -> list[tuple[np.ndarray, np.
   tok, eos = _WORKER["tok"], _WORKER["eos"]
   out = []
   if _WORKER["fmt"] != "chat":
-    for enc in tok.encode_batch([doc for _, doc in chunk], add_special_tokens=False):
-      out.append((np.asarray(enc.ids + [eos], np.int64), None))
+    # A document is encoded as in pre-training: the post-processor adds what the model saw around
+    # each one (a Llama BOS). EOS separates documents, once, also where the post-processor adds it.
+    for enc in tok.encode_batch([doc for _, doc in chunk], add_special_tokens=True):
+      ids = enc.ids if enc.ids and enc.ids[-1] == eos else enc.ids + [eos]
+      out.append((np.asarray(ids, np.int64), None))
     return out
   for where, msgs in chunk:
     try:
@@ -526,6 +536,57 @@ def _chunks(docs, size: int):
     yield chunk
 
 
+def _check_out(out: Path) -> None:
+  """Refuses an --out that is a file or lies under one, before anything is read or tokenized."""
+  if out.exists() and not out.is_dir():
+    raise ValueError(f"--out: {out} is a file, not a directory")
+  for parent in out.parents:
+    if parent.exists():
+      if not parent.is_dir():
+        raise ValueError(f"--out: {out} lies under {parent}, a file, not a directory")
+      return
+
+
+def _write(out: Path, files: list[Path], fmt: str, text_field: str, is_val: np.ndarray,
+           dtype: np.dtype, workers: int, init_args: tuple, progress: bool) -> dict:
+  """Tokenizes the documents into out/{split}.bin/.idx[/.mask]; returns each split's counts."""
+  from tqdm import tqdm
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "meta.json").unlink(missing_ok=True)  # no meta.json until every file is complete
+  has_mask = fmt == "chat"
+  handles = {}
+  starts = {s: [0] for s in SPLITS}
+  doc = 0
+  try:
+    for s in SPLITS:
+      handles[s] = {"bin": open(out / f"{s}.bin", "wb")}
+      if has_mask:
+        handles[s]["mask"] = open(out / f"{s}.mask", "wb")
+    bar = tqdm(total=len(is_val), unit="doc", disable=not progress, desc="tokenizing")
+    chunks = _chunks(_documents(files, fmt, text_field), _CHUNK)
+    for encoded in _encoded(chunks, workers, init_args):
+      for ids, mask in encoded:
+        s = "val" if is_val[doc] else "train"
+        # write(), not ndarray.tofile: tofile loses a failed write of a small array (a full disk)
+        handles[s]["bin"].write(ids.astype(dtype).tobytes())
+        if has_mask:
+          handles[s]["mask"].write(mask.astype(np.uint8).tobytes())
+        starts[s].append(starts[s][-1] + len(ids))
+        doc += 1
+      bar.update(len(encoded))
+    bar.close()
+  finally:
+    for h in handles.values():
+      for fh in h.values():
+        try:
+          fh.close()  # flushes: where a full disk shows
+        except OSError as e:
+          raise OSError(e.errno, e.strerror, fh.name) from None
+  for s in SPLITS:
+    (out / f"{s}.idx").write_bytes(np.asarray(starts[s], np.uint64).tobytes())
+  return {s: {"documents": len(starts[s]) - 1, "tokens": starts[s][-1]} for s in SPLITS}
+
+
 def prepare(tokenizer: str | Path, out: str | Path, inputs: list[str], fmt: str = "text",
             text_field: str = "text", val_fraction: float = 0.01, workers: int = 1, seed: int = 0,
             eos: str | None = None, progress: bool = True) -> dict:
@@ -546,10 +607,13 @@ def prepare(tokenizer: str | Path, out: str | Path, inputs: list[str], fmt: str 
     progress: show a tqdm bar.
 
   Returns:
-    The meta.json contents.
+    The meta.json contents; for chat, mask_method says how the loss mask found the assistant tokens
+    (generation_tags or render_diff, see chat.ChatTemplate).
+
+  Raises:
+    ValueError: a bad argument or input, or --out cannot be written (one line naming it).
   """
   from tokenizers import Tokenizer
-  from tqdm import tqdm
 
   from mtjax import chat
   if fmt not in FORMATS:
@@ -558,6 +622,8 @@ def prepare(tokenizer: str | Path, out: str | Path, inputs: list[str], fmt: str 
     raise ValueError(f"--val-fraction: {val_fraction} must be in [0, 1)")
   if workers < 1:
     raise ValueError(f"--workers: {workers} must be >= 1")
+  out = Path(out)
+  _check_out(out)
   tok_file, _ = chat.tokenizer_files(tokenizer)
   tok_cfg = chat.load_tokenizer_config(tokenizer)
   try:
@@ -572,8 +638,9 @@ def prepare(tokenizer: str | Path, out: str | Path, inputs: list[str], fmt: str 
     raise ValueError(f"--eos: {eos!r} is not a token of {tok_file}")
   pad = chat.token_text(tok_cfg.get("pad_token"))
   pad_id = tok.token_to_id(pad) if pad is not None and tok.token_to_id(pad) is not None else eos_id
-  if fmt == "chat":
-    chat.ChatTemplate.from_tokenizer(tok_file)  # no template is an error now, not in a worker
+  mask_method = None
+  if fmt == "chat":  # no template, or a broken one, is an error now, not in a worker
+    mask_method = chat.ChatTemplate.from_tokenizer(tok_file).mask_method
   vocab = tok.get_vocab_size(with_added_tokens=True)
   dtype = np.dtype(np.uint16 if vocab <= 65536 else np.uint32)
   files = _input_files(inputs)
@@ -588,50 +655,34 @@ def prepare(tokenizer: str | Path, out: str | Path, inputs: list[str], fmt: str 
   is_val = np.zeros(n, bool)
   is_val[np.random.default_rng(seed).choice(n, n_val, replace=False)] = True
 
-  out = Path(out)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / "meta.json").unlink(missing_ok=True)  # no meta.json until every file is complete
-  has_mask = fmt == "chat"
-  handles = {s: {"bin": open(out / f"{s}.bin", "wb")} for s in SPLITS}
-  if has_mask:
-    for s in SPLITS:
-      handles[s]["mask"] = open(out / f"{s}.mask", "wb")
-  starts = {s: [0] for s in SPLITS}
-  doc = 0
-  try:
-    bar = tqdm(total=n, unit="doc", disable=not progress, desc="tokenizing")
-    chunks = _chunks(_documents(files, fmt, text_field), _CHUNK)
-    for encoded in _encoded(chunks, workers, (str(tok_file), fmt, eos_id)):
-      for ids, mask in encoded:
-        s = "val" if is_val[doc] else "train"
-        ids.astype(dtype).tofile(handles[s]["bin"])
-        if has_mask:
-          mask.astype(np.uint8).tofile(handles[s]["mask"])
-        starts[s].append(starts[s][-1] + len(ids))
-        doc += 1
-      bar.update(len(encoded))
-    bar.close()
-  finally:
-    for h in handles.values():
-      for fh in h.values():
-        fh.close()
-  for s in SPLITS:
-    np.asarray(starts[s], np.uint64).tofile(out / f"{s}.idx")
   meta = {
       "format": fmt, "dtype": dtype.name, "vocab_size": vocab, "eos_id": eos_id, "pad_id": pad_id,
-      "has_mask": has_mask, "seed": seed, "val_fraction": val_fraction,
+      "has_mask": fmt == "chat", "seed": seed, "val_fraction": val_fraction,
       "tokenizer": str(tok_file),
       "tokenizer_sha256": hashlib.sha256(tok_file.read_bytes()).hexdigest(),
       "inputs": [str(f) for f in files],
-      "splits": {s: {"documents": len(starts[s]) - 1, "tokens": starts[s][-1]} for s in SPLITS},
   }
-  (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+  if mask_method:
+    meta["mask_method"] = mask_method
+  try:
+    meta["splits"] = _write(out, files, fmt, text_field, is_val, dtype, workers,
+                            (str(tok_file), fmt, eos_id), progress)
+    (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+  except OSError as e:  # a full disk, a read-only or vanished folder: one line, not a traceback
+    raise ValueError(f"--out: cannot write {e.filename or out} ({e.strerror or e})") from None
   return meta
 
 
+class _Parser(argparse.ArgumentParser):
+  """Usage errors as one line on stderr, exit 2, like the errors of prepare itself."""
+
+  def error(self, message):
+    self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None):
-  """`python -m mtjax.data prepare ...`."""
-  p = argparse.ArgumentParser(prog="python -m mtjax.data", description=__doc__)
+  """`python -m mtjax.data prepare ...`: exits 2 with one `error: ...` line on bad input."""
+  p = _Parser(prog="python -m mtjax.data", description=__doc__)
   sub = p.add_subparsers(dest="command", required=True)
   q = sub.add_parser("prepare", help="tokenize documents into a prepared directory")
   q.add_argument("--tokenizer", required=True, help="directory with tokenizer.json, or the file")
@@ -648,8 +699,13 @@ def main(argv: list[str] | None = None):
   try:
     meta = prepare(a.tokenizer, a.out, a.inputs, a.format, a.text_field, a.val_fraction,
                    a.workers, a.seed, a.eos, progress=not a.quiet)
-  except (ValueError, FileNotFoundError) as e:
-    sys.exit(f"error: {e}")
+  except (ValueError, OSError) as e:
+    print("error: " + " ".join(str(e).split("\n")), file=sys.stderr)
+    sys.exit(2)
+  if "mask_method" in meta:
+    how = {"generation_tags": "the template's {% generation %} tags",
+           "render_diff": "renders of the conversation cut before and after each assistant turn"}
+    print(f"loss mask: {meta['mask_method']} ({how[meta['mask_method']]})")
   print(json.dumps(meta["splits"]))
 
 

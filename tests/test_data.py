@@ -1,5 +1,7 @@
 """Data: deterministic batches from the synthetic stream and from a flat token file."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -52,13 +54,15 @@ def test_token_file_errors(tmp_path):
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, processors
 
 from mtjax import chat
-from test_chat import CONVERSATIONS, make_tokenizer
+from test_chat import CHATML_TAGGED, CONVERSATIONS, SPECIALS, TEMPLATES, make_tokenizer
 
 PAD = 0
 
@@ -355,3 +359,152 @@ def test_padded_leaves_out_documents_without_a_counted_target(tmp_path):
                            masks={"train": masks[2:3], "val": masks[2:3]})
   with pytest.raises(ValueError, match="no document"):
     data.source(prepared_cfg(prompts, mode="padded"), 2, 8, 500, seed=0)
+
+
+def prepare_cli(*args, cwd):
+  """Runs `python -m mtjax.data prepare ARGS` as a user would, on the mtjax under test."""
+  env = {**os.environ, "PYTHONPATH": str(Path(data.__file__).parents[1])}
+  return subprocess.run([sys.executable, "-m", "mtjax.data", "prepare", *map(str, args)],
+                        capture_output=True, text=True, timeout=60, env=env, cwd=cwd)
+
+
+CLI_ERRORS = {  # case: what the one line of stderr names
+    "missing input": r"missing\.jsonl: no such file",
+    "bad json": r"docs\.jsonl:2: bad JSON",
+    "out is a file": r"--out: .*taken is a file, not a directory",
+    "out under a file": r"--out: .*taken/sub lies under .*taken, a file",
+    "out file is a folder": r"--out: cannot write .*train\.bin \(Is a directory\)",
+    "disk full": r"--out: cannot write .*train\.bin \(No space left on device\)",
+    "unknown role": r"chat\.jsonl:2: messages\[1\] has unknown role 'bot'",
+    "empty assistant message": r"chat\.jsonl:2: messages\[1\] is an empty assistant message",
+    "broken template": r"chat template: line 1: ",
+    "usage": r"argument --workers: invalid int value",
+}
+
+
+@pytest.mark.parametrize("case", CLI_ERRORS)
+def test_prepare_cli_error_is_one_line_and_exit_2(tmp_path, case):
+  if case == "disk full" and not Path("/dev/full").exists():
+    pytest.skip("no /dev/full")
+  tok_dir = make_tokenizer(tmp_path / "tok")
+  out, taken = tmp_path / "out", tmp_path / "taken"
+  taken.write_text("not a folder")
+  docs, fmt, extra = tmp_path / "docs.jsonl", "jsonl", []
+  docs.write_text('{"text": "hello world"}\n')
+  if case == "missing input":
+    docs = tmp_path / "missing.jsonl"
+  elif case == "bad json":
+    docs.write_text('{"text": "hello world"}\n{"text": oops}\n')
+  elif case in ("out is a file", "out under a file"):
+    # refused before the inputs are read: the missing input is not what the error names
+    out = taken if case == "out is a file" else taken / "sub"
+    docs = tmp_path / "missing.jsonl"
+  elif case == "out file is a folder":
+    (out / "train.bin").mkdir(parents=True)
+  elif case == "disk full":
+    out.mkdir()
+    (out / "train.bin").symlink_to("/dev/full")
+  elif case in ("unknown role", "empty assistant message", "broken template"):
+    docs, fmt = tmp_path / "chat.jsonl", "chat"
+    line2 = {"unknown role": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "hi"},
+                              {"role": "assistant", "content": "hello"}],
+             "empty assistant message": [{"role": "user", "content": "hi"},
+                                         {"role": "assistant", "content": " \n"}],
+             "broken template": CONVERSATIONS[1]}[case]
+    docs.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (CONVERSATIONS[0], line2)))
+    if case == "broken template":
+      cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
+      (tok_dir / "tokenizer_config.json").write_text(json.dumps(
+          {**cfg, "chat_template": "{% for m in messages %}{{ m.content }"}))
+  elif case == "usage":
+    extra = ["--workers", "x"]
+  r = prepare_cli("--tokenizer", tok_dir, "--out", out, "--format", fmt, "--val-fraction", "0",
+                  "--quiet", *extra, docs, cwd=tmp_path)
+  lines = r.stderr.strip().splitlines()
+  assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+  assert re.search(CLI_ERRORS[case], lines[0]), lines[0]
+  assert taken.read_text() == "not a folder" and not (out / "meta.json").exists()
+
+
+def test_prepare_refuses_unknown_roles_and_empty_assistant_messages(tmp_path):
+  tok_dir = make_tokenizer(tmp_path / "tok")
+  f = tmp_path / "chat.jsonl"
+  cases = {
+      r"chat\.jsonl:2: messages\[2\] has unknown role 'Assistant'":
+          [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+           {"role": "Assistant", "content": "hello"}, {"role": "assistant", "content": "hello"}],
+      r"chat\.jsonl:2: messages\[3\] is an empty assistant message":
+          [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+           {"role": "user", "content": "and?"}, {"role": "assistant", "content": "\t "}],
+  }
+  for error, msgs in cases.items():
+    f.write_text(json.dumps({"messages": CONVERSATIONS[0]}) + "\n"
+                 + json.dumps({"messages": msgs}) + "\n")
+    with pytest.raises(ValueError, match=error):
+      data.prepare(tok_dir, tmp_path / "out", [str(f)], fmt="chat", val_fraction=0,
+                   progress=False)
+  f.write_text(json.dumps({"prompt": "hi", "response": ""}) + "\n")
+  with pytest.raises(ValueError, match=r"chat\.jsonl:1: empty 'response'"):
+    data.prepare(tok_dir, tmp_path / "out", [str(f)], fmt="chat", val_fraction=0, progress=False)
+
+
+@pytest.mark.parametrize("fmt", ["text", "jsonl"])
+@pytest.mark.parametrize("post", ["bos", "bos and eos", "none"])
+def test_prepare_encodes_text_as_the_post_processor_does(tmp_path, fmt, post):
+  tok_dir = make_tokenizer(tmp_path / "tok")
+  plain = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+  bos, eos = plain.token_to_id("<|begin_of_text|>"), plain.token_to_id("<|im_end|>")
+  if post != "none":  # as Llama 3's tokenizer.json: byte-level offsets, then a template adding BOS
+    single = "<|begin_of_text|> $A" + (" <|im_end|>" if post == "bos and eos" else "")
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=True),
+        processors.TemplateProcessing(single=single, special_tokens=[("<|begin_of_text|>", bos),
+                                                                     ("<|im_end|>", eos)])])
+    tok.save(str(tok_dir / "tokenizer.json"))
+  texts = ["hello world", "The quick brown fox jumps over the lazy dog."]
+  if fmt == "text":
+    for i, t in enumerate(texts):
+      (tmp_path / f"{i}.txt").write_text(t)
+    inputs = [str(tmp_path / f"{i}.txt") for i in range(len(texts))]
+  else:
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    inputs = [str(tmp_path / "docs.jsonl")]
+  data.prepare(tok_dir, tmp_path / "out", inputs, fmt=fmt, val_fraction=0, progress=False)
+  toks = np.fromfile(tmp_path / "out" / "train.bin", np.uint16).tolist()
+  idx = np.fromfile(tmp_path / "out" / "train.idx", np.uint64).tolist()
+  # each document as the model saw it in pre-training: BOS first where the post-processor adds one,
+  # then the text's tokens, then one EOS between documents
+  first = [bos] if post != "none" else []
+  want = [first + plain.encode(t, add_special_tokens=False).ids + [eos] for t in texts]
+  assert [toks[a:b] for a, b in zip(idx[:-1], idx[1:])] == want
+
+
+@pytest.mark.parametrize("method", ["render_diff", "generation_tags"])
+def test_prepare_chat_records_and_prints_the_mask_method(tmp_path, method):
+  if method == "render_diff":  # Qwen3's template, which rewrites earlier turns
+    tok_dir = make_tokenizer(tmp_path / "tok", (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text(),
+                             specials=SPECIALS + ["<think>", "</think>"])
+  else:
+    tok_dir = make_tokenizer(tmp_path / "tok", CHATML_TAGGED)
+  msgs = [{"role": "user", "content": "Hello, how are you?"},
+          {"role": "assistant", "content": "<think>Be kind.</think>I am fine, thank you."},
+          {"role": "user", "content": "And 1234?"}, {"role": "assistant", "content": "A number."}]
+  f = tmp_path / "chat.jsonl"
+  f.write_text(json.dumps({"messages": msgs}) + "\n" + json.dumps({"messages": msgs[:2]}) + "\n")
+  r = prepare_cli("--tokenizer", tok_dir, "--out", tmp_path / "out", "--format", "chat",
+                  "--val-fraction", "0", "--quiet", f, cwd=tmp_path)
+  assert r.returncode == 0, r.stderr
+  assert r.stdout.splitlines()[0].startswith(f"loss mask: {method} (")
+  meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+  assert meta["mask_method"] == method and meta["splits"]["train"]["documents"] == 2
+  tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+  template = chat.ChatTemplate.from_tokenizer(tok_dir)
+  want = [chat.encode_chat(tok, template, m) for m in (msgs, msgs[:2])]
+  np.testing.assert_array_equal(np.fromfile(tmp_path / "out" / "train.bin", np.uint16),
+                                np.concatenate([i for i, _ in want]))
+  np.testing.assert_array_equal(np.fromfile(tmp_path / "out" / "train.mask", np.uint8),
+                                np.concatenate([m for _, m in want]))
+  text = data.prepare(tok_dir, tmp_path / "again", [str(f)], fmt="chat", val_fraction=0,
+                      progress=False)
+  assert text["mask_method"] == method
