@@ -3,6 +3,10 @@
 The fallback beside cuDNN's fused kernel: CPU, fp32, any head size and document (segment) masks.
 The forward keeps a running max and sum per query row in fp32 (online softmax) and saves only the
 output and each row's logsumexp; the backward recomputes one block of scores at a time.
+
+It takes the variants that model families use: a causal sliding window (Mistral, Gemma 2/3,
+GPT-OSS), logit soft-capping (Gemma 2), attention sinks (GPT-OSS) and a value head width other than
+the query/key width (DeepSeek's multi-head latent attention).
 """
 
 from __future__ import annotations
@@ -20,48 +24,45 @@ from jax import lax
 _NEG = float(jnp.finfo(jnp.float32).min)
 
 
-def blockwise_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxH: jax.Array, *,
+def blockwise_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxHv: jax.Array, *,
                         segments_q_BxT: jax.Array | None = None,
                         segments_k_BxS: jax.Array | None = None, causal: bool = True,
                         q_block: int = 512, kv_block: int = 512,
-                        scale: float | None = None) -> jax.Array:
+                        scale: float | None = None, window: int | None = None,
+                        softcap: float | None = None,
+                        sinks_N: jax.Array | None = None) -> jax.Array:
   """Scaled dot-product attention computed block by block, as `jax.nn.dot_product_attention`.
 
   Args:
     q_BxTxNxH: queries; N must be a multiple of K (grouped-query attention: query head n reads
       key/value head n // (N / K), as `jax.nn.dot_product_attention` groups them).
     k_BxSxKxH: keys.
-    v_BxSxKxH: values, same shape as the keys.
+    v_BxSxKxHv: values; their width Hv may differ from H (multi-head latent attention).
     segments_q_BxT: integer document ids per query; a query attends only to keys of its own id.
     segments_k_BxS: integer document ids per key; either one alone is used for both (needs T == S).
     causal: query i sees key j only where j <= i (top-left aligned, as `is_causal=True`).
     q_block: query rows per block (clipped to T); T need not be a multiple.
     kv_block: keys per block (clipped to S); S need not be a multiple.
     scale: multiplies the scores; default 1 / sqrt(H).
+    window: sliding window (needs causal): query i sees key j only where i - window < j <= i, the
+      last `window` positions including its own, as Hugging Face's `sliding_window`. Key blocks
+      wholly outside every window of a query block are skipped, so the cost follows the window.
+    softcap: soft-caps the scaled scores to softcap * tanh(scores / softcap) before the mask and
+      softmax (Gemma 2's attention logit soft-capping).
+    sinks_N: one logit per query head (attention sinks, as GPT-OSS): an extra softmax column that
+      has no value, so each row's probabilities sum to less than one. Neither scaled nor capped;
+      differentiable.
 
   Returns:
-    [B, T, N, H] in q's dtype. A query row that sees no key at all gets zeros.
+    [B, T, N, Hv] in q's dtype. A query row that sees no key at all gets zeros.
   """
-  B, T, N, H = q_BxTxNxH.shape
-  Bk, S, K, Hk = k_BxSxKxH.shape
-  if (Bk, Hk) != (B, H) or v_BxSxKxH.shape != k_BxSxKxH.shape:
-    raise ValueError(f"shapes q {q_BxTxNxH.shape}, k {k_BxSxKxH.shape}, v {v_BxSxKxH.shape} "
-                     "do not fit [B, T, N, H], [B, S, K, H], [B, S, K, H]")
-  if N % K:
-    raise ValueError(f"query heads {N} are not a multiple of key/value heads {K}")
-  if segments_q_BxT is None and segments_k_BxS is not None:
-    segments_q_BxT = segments_k_BxS
-  if segments_k_BxS is None and segments_q_BxT is not None:
-    segments_k_BxS = segments_q_BxT
-  if segments_q_BxT is not None:
-    if segments_q_BxT.shape != (B, T) or segments_k_BxS.shape != (B, S):
-      raise ValueError(f"segment ids {segments_q_BxT.shape}, {segments_k_BxS.shape} do not fit "
-                       f"[B, T] = {(B, T)} and [B, S] = {(B, S)}")
+  seg_q, seg_k, cfg = _settings(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, segments_q_BxT, segments_k_BxS,
+                                causal, scale, window, softcap, sinks_N)
   if q_block < 1 or kv_block < 1:
     raise ValueError(f"block sizes must be positive, got {q_block}, {kv_block}")
-  scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
-  cfg = _Cfg(bool(causal), min(q_block, T), min(kv_block, S), scale)
-  return _attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segments_q_BxT, segments_k_BxS, cfg)
+  T, S = q_BxTxNxH.shape[1], k_BxSxKxH.shape[1]
+  cfg = cfg._replace(bq=min(q_block, T), bk=min(kv_block, S))
+  return _attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, seg_q, seg_k, sinks_N, cfg)
 
 
 class _Cfg(NamedTuple):
@@ -70,6 +71,52 @@ class _Cfg(NamedTuple):
   bq: int  # query rows per block
   bk: int  # keys per block
   scale: float
+  window: int | None = None
+  softcap: float | None = None
+
+
+def _settings(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, seg_q_BxT, seg_k_BxS, causal, scale, window,
+              softcap, sinks_N):
+  """Checks the arguments: (segments q, segments k, _Cfg without the block sizes)."""
+  B, T, N, H = q_BxTxNxH.shape
+  Bk, S, K, Hk = k_BxSxKxH.shape
+  if (Bk, Hk) != (B, H) or v_BxSxKxHv.ndim != 4 or v_BxSxKxHv.shape[:3] != (B, S, K):
+    raise ValueError(f"shapes q {q_BxTxNxH.shape}, k {k_BxSxKxH.shape}, v {v_BxSxKxHv.shape} "
+                     "do not fit [B, T, N, H], [B, S, K, H], [B, S, K, Hv]")
+  if N % K:
+    raise ValueError(f"query heads {N} are not a multiple of key/value heads {K}")
+  if seg_q_BxT is None and seg_k_BxS is not None:
+    seg_q_BxT = seg_k_BxS
+  if seg_k_BxS is None and seg_q_BxT is not None:
+    seg_k_BxS = seg_q_BxT
+  if seg_q_BxT is not None:
+    if seg_q_BxT.shape != (B, T) or seg_k_BxS.shape != (B, S):
+      raise ValueError(f"segment ids {seg_q_BxT.shape}, {seg_k_BxS.shape} do not fit "
+                       f"[B, T] = {(B, T)} and [B, S] = {(B, S)}")
+  if window is not None:
+    if not causal:
+      raise ValueError("a sliding window needs causal=True (it counts back from each query)")
+    if int(window) != window or window < 1:
+      raise ValueError(f"window must be a positive integer, got {window}")
+    window = int(window)
+  if softcap is not None:
+    if not softcap > 0:
+      raise ValueError(f"softcap must be positive, got {softcap}")
+    softcap = float(softcap)
+  if sinks_N is not None and tuple(sinks_N.shape) != (N,):
+    raise ValueError(f"sinks {tuple(sinks_N.shape)} do not fit [N] = {(N,)}")
+  scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
+  return seg_q_BxT, seg_k_BxS, _Cfg(bool(causal), 0, 0, scale, window, softcap)
+
+
+def _position_mask(q_pos_t, k_pos_s, cfg):
+  """[t, s] bool: which keys each query sees by position alone (causal, window); None for all."""
+  if not cfg.causal:
+    return None
+  visible_txs = k_pos_s[None, :] <= q_pos_t[:, None]
+  if cfg.window is not None:
+    visible_txs = visible_txs & (k_pos_s[None, :] > q_pos_t[:, None] - cfg.window)
+  return visible_txs
 
 
 def _ceil_div(a, b):
@@ -85,20 +132,46 @@ def _pad_axis(x, axis, size):
   return jnp.pad(x, widths)
 
 
+def _kv_block_range(i, cfg, nk):
+  """[first, end) of the key blocks that query block i visits: causal stops at its last row, a
+  window starts at the first key its first row sees. Works on Python ints and traced ones."""
+  first, end = 0, nk
+  if cfg.causal:
+    end = jnp.minimum(nk, _ceil_div((i + 1) * cfg.bq, cfg.bk))
+  if cfg.window is not None:
+    # Floor division: a negative start (the window reaches before the row) clamps to block 0.
+    first = jnp.maximum(0, (i * cfg.bq - cfg.window + 1) // cfg.bk)
+  return first, end
+
+
+def _q_block_range(j, cfg, nq):
+  """[first, end) of the query blocks that see any key of block j: causal starts at its first key,
+  a window ends at the last query whose window still reaches its last key."""
+  first, end = 0, nq
+  if cfg.causal:
+    first = (j * cfg.bk) // cfg.bq
+  if cfg.window is not None:
+    end = jnp.minimum(nq, ((j + 1) * cfg.bk + cfg.window - 2) // cfg.bq + 1)
+  return first, end
+
+
 class _Layout:
   """The inputs padded to whole blocks, heads moved ahead of time so each block is one dot."""
 
-  def __init__(self, q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, seg_q_BxT, seg_k_BxS, cfg):
+  def __init__(self, q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, seg_q_BxT, seg_k_BxS, sinks_N, cfg):
     B, T, N, H = q_BxTxNxH.shape
-    S, K = k_BxSxKxH.shape[1:3]
+    S, K, Hv = v_BxSxKxHv.shape[1:]
     self.B, self.T, self.N, self.H, self.S, self.K, self.G = B, T, N, H, S, K, N // K
+    self.Hv = Hv
     self.nq, self.nk = _ceil_div(T, cfg.bq), _ceil_div(S, cfg.bk)
     self.Tp, self.Sp = self.nq * cfg.bq, self.nk * cfg.bk
     self.cfg = cfg
     self.q_BxKxGxTpxH = self.heads_first(q_BxTxNxH)
     # One transpose of k and v up front (O(S) bytes) rather than one per block visit.
     self.k_BxKxSpxH = _pad_axis(k_BxSxKxH, 1, self.Sp).transpose(0, 2, 1, 3)
-    self.v_BxKxSpxH = _pad_axis(v_BxSxKxH, 1, self.Sp).transpose(0, 2, 1, 3)
+    self.v_BxKxSpxHv = _pad_axis(v_BxSxKxHv, 1, self.Sp).transpose(0, 2, 1, 3)
+    # Query head n = k * G + g, as heads_first splits N.
+    self.sink_KxG = None if sinks_N is None else sinks_N.astype(jnp.float32).reshape(K, self.G)
     self.seg_q_BxTp = self.seg_k_BxSp = None
     if seg_q_BxT is not None:
       # Edge padding keeps each block's id range as tight as its real rows (padded keys are
@@ -110,14 +183,16 @@ class _Layout:
       self.q_lo_Bxnq, self.q_hi_Bxnq = q_Bxnqxbq.min(axis=2), q_Bxnqxbq.max(axis=2)
       self.k_lo_Bxnk, self.k_hi_Bxnk = k_Bxnkxbk.min(axis=2), k_Bxnkxbk.max(axis=2)
 
-  def heads_first(self, x_BxTxNxH):
-    """[B, T, N, H] -> [B, K, G, Tp, H]: the group axis sits beside K, so k/v are never repeated."""
-    x = _pad_axis(x_BxTxNxH, 1, self.Tp).reshape(self.B, self.Tp, self.K, self.G, self.H)
+  def heads_first(self, x_BxTxNxW):
+    """[B, T, N, W] -> [B, K, G, Tp, W]: the group axis sits beside K, so k/v are never repeated."""
+    W = x_BxTxNxW.shape[-1]
+    x = _pad_axis(x_BxTxNxW, 1, self.Tp).reshape(self.B, self.Tp, self.K, self.G, W)
     return x.transpose(0, 2, 3, 1, 4)
 
-  def heads_last(self, x_BxKxGxTpxH):
-    """[B, K, G, Tp, H] -> [B, T, N, H]."""
-    x = x_BxKxGxTpxH.transpose(0, 3, 1, 2, 4).reshape(self.B, self.Tp, self.N, self.H)
+  def heads_last(self, x_BxKxGxTpxW):
+    """[B, K, G, Tp, W] -> [B, T, N, W]."""
+    W = x_BxKxGxTpxW.shape[-1]
+    x = x_BxKxGxTpxW.transpose(0, 3, 1, 2, 4).reshape(self.B, self.Tp, self.N, W)
     return x[:, :self.T]
 
   def q_slice(self, x, i, axis=3):
@@ -125,18 +200,6 @@ class _Layout:
 
   def k_slice(self, x, j, axis=2):
     return lax.dynamic_slice_in_dim(x, j * self.cfg.bk, self.cfg.bk, axis=axis)
-
-  def kv_blocks_seen(self, i):
-    """How many leading key blocks query block i can see (causal: later ones are all masked)."""
-    if not self.cfg.causal:
-      return self.nk
-    return jnp.minimum(self.nk, _ceil_div((i + 1) * self.cfg.bq, self.cfg.bk))
-
-  def first_q_block_seeing(self, j):
-    """The first query block that sees any key of block j (causal: earlier ones see none)."""
-    if not self.cfg.causal:
-      return 0
-    return (j * self.cfg.bk) // self.cfg.bq
 
   def if_segments_meet(self, i, j, compute, skip, *operands):
     """compute(*operands) if query block i and key block j can share a document id, else skip.
@@ -152,29 +215,35 @@ class _Layout:
     return lax.cond(meet, compute, skip, *operands)
 
   def scores(self, q_BxKxGxbqxH, i, j):
-    """Scaled fp32 scores of query block i against key block j, and where they are visible."""
+    """Query block i against key block j: fp32 scores (scaled, capped, masked to _NEG), where
+    they are visible, and the cap's tanh (None without a cap) for the backward's chain rule."""
     cfg = self.cfg
     k_BxKxbkxH = self.k_slice(self.k_BxKxSpxH, j)
     s_BxKxGxbqxbk = jnp.einsum("bkgqh,bksh->bkgqs", q_BxKxGxbqxH, k_BxKxbkxH,
                                preferred_element_type=jnp.float32) * cfg.scale
+    tanh_BxKxGxbqxbk = None
+    if cfg.softcap is not None:
+      tanh_BxKxGxbqxbk = jnp.tanh(s_BxKxGxbqxbk / cfg.softcap)
+      s_BxKxGxbqxbk = cfg.softcap * tanh_BxKxGxbqxbk
     q_pos_bq = i * cfg.bq + jnp.arange(cfg.bq)
     k_pos_bk = j * cfg.bk + jnp.arange(cfg.bk)
     visible_bqxbk = jnp.broadcast_to(k_pos_bk[None, :] < self.S, (cfg.bq, cfg.bk))  # padding
-    if cfg.causal:
-      visible_bqxbk = visible_bqxbk & (k_pos_bk[None, :] <= q_pos_bq[:, None])
+    by_position_bqxbk = _position_mask(q_pos_bq, k_pos_bk, cfg)
+    if by_position_bqxbk is not None:
+      visible_bqxbk = visible_bqxbk & by_position_bqxbk
     visible = visible_bqxbk[None, None, None]
     if self.seg_q_BxTp is not None:
       seg_q_Bxbq = self.q_slice(self.seg_q_BxTp, i, axis=1)
       seg_k_Bxbk = self.k_slice(self.seg_k_BxSp, j, axis=1)
       same_Bxbqxbk = seg_q_Bxbq[:, :, None] == seg_k_Bxbk[:, None, :]
       visible = visible & same_Bxbqxbk[:, None, None]
-    return jnp.where(visible, s_BxKxGxbqxbk, _NEG), visible
+    return jnp.where(visible, s_BxKxGxbqxbk, _NEG), visible, tanh_BxKxGxbqxbk
 
 
-def _forward(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, seg_q_BxT, seg_k_BxS, cfg):
-  """Output [B, T, N, H] and the fp32 logsumexp of every (padded) query row, [B, K, G, Tp]."""
-  lay = _Layout(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, seg_q_BxT, seg_k_BxS, cfg)
-  B, K, G, H, bq = lay.B, lay.K, lay.G, lay.H, cfg.bq
+def _forward(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, seg_q_BxT, seg_k_BxS, sinks_N, cfg):
+  """Output [B, T, N, Hv] and the fp32 logsumexp of every (padded) query row, [B, K, G, Tp]."""
+  lay = _Layout(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, seg_q_BxT, seg_k_BxS, sinks_N, cfg)
+  B, K, G, Hv, bq = lay.B, lay.K, lay.G, lay.Hv, cfg.bq
 
   def q_block(i):
     q_BxKxGxbqxH = lay.q_slice(lay.q_BxKxGxTpxH, i)
@@ -183,60 +252,67 @@ def _forward(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, seg_q_BxT, seg_k_BxS, cfg):
       return lay.if_segments_meet(i, j, functools.partial(kv_update, j), lambda c: c, carry)
 
     def kv_update(j, carry):
-      m_BxKxGxbq, l_BxKxGxbq, acc_BxKxGxbqxH = carry
-      s, visible = lay.scores(q_BxKxGxbqxH, i, j)
+      m_BxKxGxbq, l_BxKxGxbq, acc_BxKxGxbqxHv = carry
+      s, visible, _ = lay.scores(q_BxKxGxbqxH, i, j)
       m_new = jnp.maximum(m_BxKxGxbq, s.max(axis=-1))
       p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
       correction = jnp.exp(m_BxKxGxbq - m_new)
       l_new = l_BxKxGxbq * correction + p.sum(axis=-1)
-      v_BxKxbkxH = lay.k_slice(lay.v_BxKxSpxH, j)
+      v_BxKxbkxHv = lay.k_slice(lay.v_BxKxSpxHv, j)
       # Probabilities in v's dtype so bf16 inputs get a bf16 matmul, accumulated in fp32.
-      pv = jnp.einsum("bkgqs,bksh->bkgqh", p.astype(v_BxKxbkxH.dtype), v_BxKxbkxH,
+      pv = jnp.einsum("bkgqs,bksh->bkgqh", p.astype(v_BxKxbkxHv.dtype), v_BxKxbkxHv,
                       preferred_element_type=jnp.float32)
-      return m_new, l_new, acc_BxKxGxbqxH * correction[..., None] + pv
+      return m_new, l_new, acc_BxKxGxbqxHv * correction[..., None] + pv
 
-    init = (jnp.full((B, K, G, bq), _NEG, jnp.float32), jnp.zeros((B, K, G, bq), jnp.float32),
-            jnp.zeros((B, K, G, bq, H), jnp.float32))
-    m, l, acc = lax.fori_loop(0, lay.kv_blocks_seen(i), kv_step, init)
-    seen = l > 0  # a row with no visible key gets zeros and a logsumexp the backward never reads
-    out_BxKxGxbqxH = acc / jnp.where(seen, l, 1.0)[..., None]
+    if lay.sink_KxG is None:
+      m0 = jnp.full((B, K, G, bq), _NEG, jnp.float32)
+      l0 = jnp.zeros((B, K, G, bq), jnp.float32)
+    else:
+      # The sink is the row's first column, valueless: max starts at it, the sum at exp(0) = 1.
+      m0 = jnp.broadcast_to(lay.sink_KxG[None, :, :, None], (B, K, G, bq))
+      l0 = jnp.ones((B, K, G, bq), jnp.float32)
+    init = (m0, l0, jnp.zeros((B, K, G, bq, Hv), jnp.float32))
+    m, l, acc = lax.fori_loop(*_kv_block_range(i, cfg, lay.nk), kv_step, init)
+    seen = l > 0  # a row with no visible key (and no sink) gets zeros and a logsumexp never read
+    out_BxKxGxbqxHv = acc / jnp.where(seen, l, 1.0)[..., None]
     lse_BxKxGxbq = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
-    return out_BxKxGxbqxH.astype(q_BxTxNxH.dtype), lse_BxKxGxbq
+    return out_BxKxGxbqxHv.astype(q_BxTxNxH.dtype), lse_BxKxGxbq
 
   # lax.map runs the query blocks one after another: only one block's state is live at a time.
-  out_nqxBxKxGxbqxH, lse_nqxBxKxGxbq = lax.map(q_block, jnp.arange(lay.nq))
-  out_BxKxGxTpxH = out_nqxBxKxGxbqxH.transpose(1, 2, 3, 0, 4, 5).reshape(B, K, G, lay.Tp, H)
+  out_nqxBxKxGxbqxHv, lse_nqxBxKxGxbq = lax.map(q_block, jnp.arange(lay.nq))
+  out_BxKxGxTpxHv = out_nqxBxKxGxbqxHv.transpose(1, 2, 3, 0, 4, 5).reshape(B, K, G, lay.Tp, Hv)
   lse_BxKxGxTp = lse_nqxBxKxGxbq.transpose(1, 2, 3, 0, 4).reshape(B, K, G, lay.Tp)
-  return lay.heads_last(out_BxKxGxTpxH), lse_BxKxGxTp
+  return lay.heads_last(out_BxKxGxTpxHv), lse_BxKxGxTp
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attention(q, k, v, seg_q, seg_k, cfg):
-  return _forward(q, k, v, seg_q, seg_k, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention(q, k, v, seg_q, seg_k, sinks, cfg):
+  return _forward(q, k, v, seg_q, seg_k, sinks, cfg)[0]
 
 
-def _attention_fwd(q, k, v, seg_q, seg_k, cfg):
-  out, lse = _forward(q, k, v, seg_q, seg_k, cfg)
-  return out, (q, k, v, seg_q, seg_k, out, lse)
+def _attention_fwd(q, k, v, seg_q, seg_k, sinks, cfg):
+  out, lse = _forward(q, k, v, seg_q, seg_k, sinks, cfg)
+  return out, (q, k, v, seg_q, seg_k, sinks, out, lse)
 
 
-def _attention_bwd(cfg, residuals, dout_BxTxNxH):
+def _attention_bwd(cfg, residuals, dout_BxTxNxHv):
   """Flash-attention-2 backward: one pass over key blocks, each visiting the query blocks it feeds.
 
   dk and dv of a key block accumulate in the inner loop and leave as that block's scan output;
   dq accumulates across key blocks in one fp32 [B, K, G, Tp, H] carry, updated in place.
   """
-  q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, seg_q, seg_k, out_BxTxNxH, lse_BxKxGxTp = residuals
-  lay = _Layout(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, seg_q, seg_k, cfg)
-  B, K, G, H, bk = lay.B, lay.K, lay.G, lay.H, cfg.bk
-  dout_BxKxGxTpxH = lay.heads_first(dout_BxTxNxH)
+  q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, seg_q, seg_k, sinks_N, out_BxTxNxHv, lse_BxKxGxTp = residuals
+  lay = _Layout(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, seg_q, seg_k, sinks_N, cfg)
+  B, K, G, H, Hv, bk = lay.B, lay.K, lay.G, lay.H, lay.Hv, cfg.bk
+  dout_BxKxGxTpxHv = lay.heads_first(dout_BxTxNxHv)
   # delta_i = sum_j p_ij dp_ij = dout_i . out_i: the softmax backward's row term, computed once.
-  delta_BxKxGxTp = jnp.sum(dout_BxKxGxTpxH.astype(jnp.float32)
-                           * lay.heads_first(out_BxTxNxH).astype(jnp.float32), axis=-1)
+  # The sink column has no value (its dp is 0), so delta is the same with or without one.
+  delta_BxKxGxTp = jnp.sum(dout_BxKxGxTpxHv.astype(jnp.float32)
+                           * lay.heads_first(out_BxTxNxHv).astype(jnp.float32), axis=-1)
 
   def kv_block(dq_BxKxGxTpxH, j):
     k_BxKxbkxH = lay.k_slice(lay.k_BxKxSpxH, j)
-    v_BxKxbkxH = lay.k_slice(lay.v_BxKxSpxH, j)
+    v_BxKxbkxHv = lay.k_slice(lay.v_BxKxSpxHv, j)
 
     def q_step(i, carry):
       dq, dk_dv = carry
@@ -249,42 +325,55 @@ def _attention_bwd(cfg, residuals, dout_BxTxNxH):
       return jnp.zeros((B, K, G, cfg.bq, H), jnp.float32), dk_dv
 
     def q_update(i, dk_dv):
-      dk_BxKxbkxH, dv_BxKxbkxH = dk_dv
+      dk_BxKxbkxH, dv_BxKxbkxHv = dk_dv
       q_BxKxGxbqxH = lay.q_slice(lay.q_BxKxGxTpxH, i)
-      do_BxKxGxbqxH = lay.q_slice(dout_BxKxGxTpxH, i)
-      s, visible = lay.scores(q_BxKxGxbqxH, i, j)
+      do_BxKxGxbqxHv = lay.q_slice(dout_BxKxGxTpxHv, i)
+      s, visible, tanh = lay.scores(q_BxKxGxbqxH, i, j)
       lse = lay.q_slice(lse_BxKxGxTp, i)
       p = jnp.where(visible, jnp.exp(s - lse[..., None]), 0.0)
       # Contracting over g as well as q sums the query heads that share this key/value head.
-      dv_BxKxbkxH = dv_BxKxbkxH + jnp.einsum(
-          "bkgqs,bkgqh->bksh", p.astype(do_BxKxGxbqxH.dtype), do_BxKxGxbqxH,
+      dv_BxKxbkxHv = dv_BxKxbkxHv + jnp.einsum(
+          "bkgqs,bkgqh->bksh", p.astype(do_BxKxGxbqxHv.dtype), do_BxKxGxbqxHv,
           preferred_element_type=jnp.float32)
-      dp = jnp.einsum("bkgqh,bksh->bkgqs", do_BxKxGxbqxH, v_BxKxbkxH,
+      dp = jnp.einsum("bkgqh,bksh->bkgqs", do_BxKxGxbqxHv, v_BxKxbkxHv,
                       preferred_element_type=jnp.float32)
-      ds = p * (dp - lay.q_slice(delta_BxKxGxTp, i)[..., None]) * cfg.scale
+      ds = p * (dp - lay.q_slice(delta_BxKxGxTp, i)[..., None])
+      if tanh is not None:
+        ds = ds * (1.0 - tanh * tanh)  # d/dx of c * tanh(x / c)
+      ds = ds * cfg.scale
       dk_BxKxbkxH = dk_BxKxbkxH + jnp.einsum(
           "bkgqs,bkgqh->bksh", ds.astype(q_BxKxGxbqxH.dtype), q_BxKxGxbqxH,
           preferred_element_type=jnp.float32)
       dq_blk = jnp.einsum("bkgqs,bksh->bkgqh", ds.astype(k_BxKxbkxH.dtype), k_BxKxbkxH,
                           preferred_element_type=jnp.float32)
-      return dq_blk, (dk_BxKxbkxH, dv_BxKxbkxH)
+      return dq_blk, (dk_BxKxbkxH, dv_BxKxbkxHv)
 
     init = (dq_BxKxGxTpxH, (jnp.zeros((B, K, bk, H), jnp.float32),
-                            jnp.zeros((B, K, bk, H), jnp.float32)))
-    dq, dk_dv = lax.fori_loop(lay.first_q_block_seeing(j), lay.nq, q_step, init)
+                            jnp.zeros((B, K, bk, Hv), jnp.float32)))
+    dq, dk_dv = lax.fori_loop(*_q_block_range(j, cfg, lay.nq), q_step, init)
     return dq, dk_dv
 
   dq0 = jnp.zeros((B, K, G, lay.Tp, H), jnp.float32)
-  dq_BxKxGxTpxH, (dk_nkxBxKxbkxH, dv_nkxBxKxbkxH) = lax.scan(kv_block, dq0, jnp.arange(lay.nk))
+  dq_BxKxGxTpxH, (dk_nkxBxKxbkxH, dv_nkxBxKxbkxHv) = lax.scan(kv_block, dq0, jnp.arange(lay.nk))
 
-  def keys_last(x_nkxBxKxbkxH, like_BxSxKxH):
-    x = x_nkxBxKxbkxH.transpose(1, 0, 3, 2, 4).reshape(B, lay.Sp, K, H)
-    return x[:, :lay.S].astype(like_BxSxKxH.dtype)
+  def keys_last(x_nkxBxKxbkxW, like_BxSxKxW):
+    W = x_nkxBxKxbkxW.shape[-1]
+    x = x_nkxBxKxbkxW.transpose(1, 0, 3, 2, 4).reshape(B, lay.Sp, K, W)
+    return x[:, :lay.S].astype(like_BxSxKxW.dtype)
+
+  dsinks_N = None
+  if sinks_N is not None:
+    # lse_i = log(sum_j exp(s_ij) + exp(sink)), so d out_i / d sink = -p_sink_i out_i and
+    # d loss / d sink = -sum_i p_sink_i (dout_i . out_i) = -sum_i p_sink_i delta_i, over b and t.
+    # Padded rows have dout = 0, so delta = 0: they add nothing.
+    p_sink_BxKxGxTp = jnp.exp(lay.sink_KxG[None, :, :, None] - lse_BxKxGxTp)
+    dsink_KxG = -jnp.sum(p_sink_BxKxGxTp * delta_BxKxGxTp, axis=(0, 3))
+    dsinks_N = dsink_KxG.reshape(lay.N).astype(sinks_N.dtype)
 
   dq = lay.heads_last(dq_BxKxGxTpxH).astype(q_BxTxNxH.dtype)
   # Segment ids are integers: no cotangent.
-  return (dq, keys_last(dk_nkxBxKxbkxH, k_BxSxKxH), keys_last(dv_nkxBxKxbkxH, v_BxSxKxH),
-          None, None)
+  return (dq, keys_last(dk_nkxBxKxbkxH, k_BxSxKxH), keys_last(dv_nkxBxKxbkxHv, v_BxSxKxHv),
+          None, None, dsinks_N)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

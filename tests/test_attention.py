@@ -1,4 +1,6 @@
-"""Blockwise attention against a naive materialised-scores attention: values and q/k/v gradients."""
+"""Blockwise attention against a naive materialised-scores attention: values and gradients
+(q, k, v, sinks), with sliding windows, soft-capping, sinks and a value width of its own.
+"""
 
 import jax
 import jax.extend
@@ -7,26 +9,44 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as hst
 
+from mtjax import attention
 from mtjax.attention import blockwise_attention
-from numerics import assert_trees_close
+from numerics import REL_L2, assert_trees_close
 
 
-def naive_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, seg_q_BxT=None, seg_k_BxS=None, causal=True):
-  """Full [B, N, T, S] fp32 scores, k/v repeated per query head; rows that see nothing give 0."""
+def naive_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, *, segments_q_BxT=None, segments_k_BxS=None,
+                    causal=True, scale=None, window=None, softcap=None, sinks_N=None):
+  """Full [B, N, T, S] fp32 scores and masks, k/v repeated per query head, the cap as written,
+  the sink as a concatenated score column dropped after the softmax; rows that see nothing give 0.
+  """
   B, T, N, H = q_BxTxNxH.shape
   S, K = k_BxSxKxH.shape[1:3]
   hi = jax.lax.Precision.HIGHEST
   q = q_BxTxNxH.astype(jnp.float32)
   k = jnp.repeat(k_BxSxKxH.astype(jnp.float32), N // K, axis=2)
-  v = jnp.repeat(v_BxSxKxH.astype(jnp.float32), N // K, axis=2)
-  s_BxNxTxS = jnp.einsum("btnh,bsnh->bnts", q, k, precision=hi) / np.sqrt(H)
+  v = jnp.repeat(v_BxSxKxHv.astype(jnp.float32), N // K, axis=2)
+  scale = 1 / np.sqrt(H) if scale is None else scale
+  s_BxNxTxS = jnp.einsum("btnh,bsnh->bnts", q, k, precision=hi) * scale
+  if softcap is not None:
+    s_BxNxTxS = softcap * jnp.tanh(s_BxNxTxS / softcap)
+  i_Tx1, j_1xS = np.arange(T)[:, None], np.arange(S)[None, :]  # numpy: broadcasts as written
   mask_BxNxTxS = jnp.ones((B, N, T, S), bool)
   if causal:
-    mask_BxNxTxS = mask_BxNxTxS & jnp.asarray(np.tril(np.ones((T, S), bool)))[None, None]
-  if seg_q_BxT is not None:
-    mask_BxNxTxS = mask_BxNxTxS & (seg_q_BxT[:, :, None] == seg_k_BxS[:, None, :])[:, None]
-  p = jax.nn.softmax(jnp.where(mask_BxNxTxS, s_BxNxTxS, -1e30), axis=-1) * mask_BxNxTxS
-  return jnp.einsum("bnts,bsnh->btnh", p, v, precision=hi)
+    mask_BxNxTxS = mask_BxNxTxS & jnp.asarray(j_1xS <= i_Tx1)[None, None]
+  if window is not None:
+    mask_BxNxTxS = mask_BxNxTxS & jnp.asarray(j_1xS > i_Tx1 - window)[None, None]
+  if segments_q_BxT is not None:
+    same_BxTxS = segments_q_BxT[:, :, None] == segments_k_BxS[:, None, :]
+    mask_BxNxTxS = mask_BxNxTxS & same_BxTxS[:, None]
+  s_BxNxTxS = jnp.where(mask_BxNxTxS, s_BxNxTxS, -1e30)
+  if sinks_N is not None:
+    sink_BxNxTx1 = jnp.broadcast_to(sinks_N.astype(jnp.float32)[None, :, None, None], (B, N, T, 1))
+    s_BxNxTxS1 = jnp.concatenate([s_BxNxTxS, sink_BxNxTx1], axis=-1)
+    mask_BxNxTxS1 = jnp.concatenate([mask_BxNxTxS, jnp.ones((B, N, T, 1), bool)], axis=-1)
+    p_BxNxTxS = (jax.nn.softmax(s_BxNxTxS1, axis=-1) * mask_BxNxTxS1)[..., :S]
+  else:
+    p_BxNxTxS = jax.nn.softmax(s_BxNxTxS, axis=-1) * mask_BxNxTxS
+  return jnp.einsum("bnts,bsnh->btnh", p_BxNxTxS, v, precision=hi)
 
 
 def packed_segments(B, T, seed):
@@ -35,33 +55,59 @@ def packed_segments(B, T, seed):
   return jnp.asarray(np.cumsum(rng.random((B, T)) < 0.2, axis=1).astype(np.int32))
 
 
-def random_qkv(B, T, S, N, K, H, dtype, seed):
+def random_qkv(B, T, S, N, K, H, dtype, seed, Hv=None):
   # numpy draws: jax.random would compile afresh for every shape the sweeps visit.
   rng = np.random.default_rng(seed)
   draw = lambda *shape: rng.standard_normal(shape, np.float32)
-  q, k, v = draw(B, T, N, H), draw(B, S, K, H), draw(B, S, K, H)
+  Hv = H if Hv is None else Hv
+  q, k, v = draw(B, T, N, H), draw(B, S, K, H), draw(B, S, K, Hv)
   return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
-          jnp.asarray(draw(B, T, N, H)))
+          jnp.asarray(draw(B, T, N, Hv)))
 
 
-def value_and_grads(attn, q, k, v, ct):
-  """attn's output and the gradients of sum(out * ct) with respect to q, k and v (one compile)."""
-
-  def run(q, k, v, ct):
-    out, vjp = jax.vjp(attn, q, k, v)
-    return out, vjp(ct.astype(out.dtype))
-
-  return jax.jit(run)(q, k, v, ct)
+def random_sinks(N, seed):
+  """Sink logits of the scores' own size, so the sink column takes a real share of each row."""
+  return jnp.asarray(2 * np.random.default_rng(seed + 1).standard_normal(N, np.float32))
 
 
-def both(q, k, v, ct, seg_q=None, seg_k=None, causal=True, **blocks):
-  """(blockwise, naive) outputs and gradients; naive sees inputs upcast to fp32."""
-  fast = lambda q, k, v: blockwise_attention(q, k, v, segments_q_BxT=seg_q, segments_k_BxS=seg_k,
-                                             causal=causal, **blocks)
-  slow = lambda q, k, v: naive_attention(q, k, v, seg_q, seg_k, causal)
-  f32 = lambda x: x.astype(jnp.float32)
-  ct = f32(ct.astype(q.dtype))  # both sides get the cotangent a bf16 output would receive
-  return value_and_grads(fast, q, k, v, ct), value_and_grads(slow, f32(q), f32(k), f32(v), ct)
+def value_and_grads(attn, q, k, v, ct, *sinks):
+  """attn's output, the gradients of sum(out * ct) with respect to q, k and v and, with sinks
+  given, the sinks' gradient of sum(out**2) / 2; one compile.
+
+  The sinks' gradient under a random cotangent, -sum over rows of p_sink * (ct . out), sums terms
+  of either sign that cancel: fp32 rounding of the terms then moves the result by ~1e-5 of itself
+  in any implementation (blockwise and naive each measured 5e-6 to 7e-6 off a float64 reference
+  on one sweep case), so a comparison would measure the cancellation. With ct = out
+  every term is -p_sink |out|^2 <= 0, and it measures the formula.
+  """
+
+  def run(ct, *args):
+    out, vjp = jax.vjp(attn, *args)
+    grads = vjp(ct.astype(out.dtype))
+    return out, grads[:3] + vjp(out)[3:]
+
+  return jax.jit(run)(ct, q, k, v, *sinks)
+
+
+def results(attn, q, k, v, ct, seg_q=None, seg_k=None, causal=True, sinks=None, **options):
+  """attn's output and gradients (q, k, v, and the sinks when given) as `value_and_grads` takes
+  them; the naive attention sees the inputs upcast to fp32."""
+  if attn is naive_attention:
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+  ct = ct.astype(q.dtype).astype(jnp.float32)  # every side gets what a bf16 output would receive
+  f = lambda q, k, v, *sinks: attn(q, k, v, segments_q_BxT=seg_q, segments_k_BxS=seg_k,
+                                   causal=causal, sinks_N=sinks[0] if sinks else None, **options)
+  return value_and_grads(f, q, k, v, ct, *(() if sinks is None else (sinks,)))
+
+
+def both(q, k, v, ct, seg_q=None, seg_k=None, causal=True, sinks=None, impl=blockwise_attention,
+         **options):
+  """(impl, naive) outputs and gradients. `options` go to both, but the block sizes only to the
+  blockwise attention."""
+  blocks = {name: options.pop(name) for name in ("q_block", "kv_block") if name in options}
+  assert impl is blockwise_attention or not blocks
+  args = (q, k, v, ct, seg_q, seg_k, causal, sinks)
+  return results(impl, *args, **options, **blocks), results(naive_attention, *args, **options)
 
 
 def assert_fp32_close(got, want):
@@ -120,6 +166,143 @@ def test_bf16_sweep_close_to_fp32_naive(T, heads, H, blocks, packed, seed):
     assert relative_error(g, g_ref) < 1e-2
 
 
+# Scores far into tanh's bend under the cap: q.k has standard deviation sqrt(H), so this scale
+# gives scores of standard deviation 4, several times the cap (test_softcap_bends_the_scores).
+CAP, CAP_SCALE = 5.0, lambda H: 4 / np.sqrt(H)
+
+
+def features_case(B, T, S, heads, H, Hv, packed, window, softcap, sinks, seed):
+  """Inputs and options of one case of the feature tests: (q, k, v, ct, segments, options)."""
+  N, K = heads
+  q, k, v, ct = random_qkv(B, T, S, N, K, H, jnp.float32, seed, Hv=Hv)
+  seg = packed_segments(B, T, seed) if packed else None
+  options = dict(window=window, softcap=softcap, scale=CAP_SCALE(H) if softcap else None,
+                 sinks=random_sinks(N, seed) if sinks else None)
+  return q, k, v, ct, seg, options
+
+
+def assert_matches_naive(q, k, v, ct, seg, causal=True, blocks=(8, 8), **options):
+  """The blockwise attention matches the naive one, values and gradients."""
+  args = (q, k, v, ct, seg, seg, causal)
+  want = results(naive_attention, *args, **options)
+  assert_fp32_close(results(blockwise_attention, *args, q_block=blocks[0], kv_block=blocks[1],
+                            **options), want)
+
+
+# Fixed corners of the feature sweep below: each feature with others, blocks that do not divide T.
+@pytest.mark.parametrize("B,T,S,heads,H,Hv,blocks,packed,window,softcap,sinks,causal", [
+    (2, 33, 33, (4, 2), 8, None, (8, 16), True, 1, None, True, True),  # GQA, documents
+    (1, 64, 64, (4, 1), 24, 16, (16, 8), False, 3, CAP, False, True),  # q/k 24 wide, v 16
+    (2, 64, 64, (2, 2), 16, 8, (16, 16), True, 17, CAP, True, True),  # everything at once
+    (1, 40, 16, (4, 2), 8, 12, (8, 8), False, 3, None, True, True),  # rows past S + 2 see no key
+    (1, 16, 40, (4, 2), 16, 8, (8, 16), False, None, CAP, True, False),  # not causal
+])
+def test_features_match_naive(B, T, S, heads, H, Hv, blocks, packed, window, softcap, sinks,
+                              causal):
+  q, k, v, ct, seg, options = features_case(B, T, S, heads, H, Hv, packed, window, softcap, sinks,
+                                            seed=T + S)
+  assert_matches_naive(q, k, v, ct, seg, causal, blocks, **options)
+
+
+@given(B=hst.sampled_from([1, 2]), T=hst.sampled_from([7, 33, 64]),
+       heads=hst.sampled_from(HEADS), H=hst.sampled_from([8, 16, 24]),
+       Hv=hst.sampled_from([None, 8, 12]), q_block=hst.sampled_from([8, 16, 128]),
+       kv_block=hst.sampled_from([8, 16, 128]), packed=hst.booleans(),
+       window=hst.sampled_from([None, 1, 3, 17]), softcap=hst.sampled_from([None, CAP]),
+       sinks=hst.booleans(), seed=hst.integers(0, 2**16))
+def test_features_sweep_matches_naive(B, T, heads, H, Hv, q_block, kv_block, packed, window,
+                                      softcap, sinks, seed):
+  q, k, v, ct, seg, options = features_case(B, T, T, heads, H, Hv, packed, window, softcap, sinks,
+                                            seed)
+  assert_matches_naive(q, k, v, ct, seg, True, (q_block, kv_block), **options)
+
+
+def test_softcap_bends_the_scores():
+  """At the tests' scale the cap moves the output by far more than the tolerance, so the sweeps
+  would see a missing or linearised cap, or a backward without tanh's derivative."""
+  q, k, v, ct = random_qkv(2, 33, 33, 4, 2, 16, jnp.float32, seed=2)
+  scale = CAP_SCALE(16)
+  scores = np.einsum("btkgh,bskh->bkgts", np.asarray(q).reshape(2, 33, 2, 2, 16), k) * scale
+  # A fifth of the scores lie past the cap, where c * tanh(x / c) is 24% or more below x.
+  assert np.mean(np.abs(scores) > CAP) > 0.15
+  assert 2 * np.abs(scores).max() < 10 * CAP  # the mild cap below is over twice every score
+  cases = [dict(scale=scale), dict(scale=scale, softcap=CAP), dict(scale=scale, softcap=10 * CAP)]
+  (out, grads), (capped, capped_grads), (mild, _) = [
+      value_and_grads(lambda q, k, v, o=o: naive_attention(q, k, v, **o), q, k, v, ct)
+      for o in cases]
+  assert relative_error(capped, out) > 1e3 * REL_L2
+  assert relative_error(capped_grads[0], grads[0]) > 1e3 * REL_L2
+  assert relative_error(mild, out) > 100 * REL_L2  # even that one shows
+
+
+@pytest.mark.parametrize("impl", [blockwise_attention])
+def test_window_covering_the_sequence_equals_no_window_exactly(impl):
+  """A window of T or more hides no key of a causal row: the same numbers, bit for bit."""
+  B, T, N, K, H = 2, 33, 4, 2, 8
+  q, k, v, ct = random_qkv(B, T, T, N, K, H, jnp.float32, seed=4)
+  seg, sinks = packed_segments(B, T, seed=4), random_sinks(N, seed=4)
+  blocks = dict(q_block=8, kv_block=16) if impl is blockwise_attention else {}
+
+  def run(q, k, v, sinks, ct):
+    results = []
+    for window in [None, T, T + 9]:
+      attn = lambda q, k, v, s, w=window: impl(q, k, v, segments_q_BxT=seg, window=w, sinks_N=s,
+                                               **blocks)
+      out, vjp = jax.vjp(attn, q, k, v, sinks)
+      results.append((out, vjp(ct)))
+    return results
+
+  (out, grads), *windowed = jax.jit(run)(q, k, v, sinks, ct)
+  for out_w, grads_w in windowed:
+    np.testing.assert_array_equal(out_w, out)
+    for g_w, g in zip(grads_w, grads):
+      np.testing.assert_array_equal(g_w, g)
+
+
+def pairs_with_visible_keys(T, S, window, bq, bk):
+  """The (query block, key block) pairs where some causal windowed query sees some key."""
+  i_Tx1, j_1xS = np.arange(T)[:, None], np.arange(S)[None, :]
+  visible_TxS = (j_1xS <= i_Tx1) & (j_1xS > i_Tx1 - window)
+  return sorted((a, b) for a in range(-(-T // bq)) for b in range(-(-S // bk))
+                if visible_TxS[a * bq:(a + 1) * bq, b * bk:(b + 1) * bk].any())
+
+
+@pytest.mark.parametrize("T,window,bq,bk", [(256, 16, 16, 16), (100, 17, 16, 8)])
+def test_window_skips_key_blocks_outside_it(monkeypatch, T, window, bq, bk):
+  """Counts the block pairs the forward and the backward really compute (a callback in the score
+  function, run on the device each time a loop visits a pair): exactly the pairs that hold a
+  visible (query, key), each once, so the cost follows the window and not T."""
+  visits = {"forward": [], "backward": []}
+  phase = ["forward"]  # which pass is being traced when the score function is traced
+  scores = attention._Layout.scores
+
+  def counting_scores(self, q_blk, i, j):
+    record = visits[phase[0]].append
+    jax.debug.callback(lambda i, j: record((int(i), int(j))), i, j)
+    return scores(self, q_blk, i, j)
+
+  monkeypatch.setattr(attention._Layout, "scores", counting_scores)
+  q, k, v, ct = random_qkv(1, T, T, 2, 1, 8, jnp.float32, seed=T)
+
+  def run(q, k, v, ct):
+    attn = lambda q, k, v: blockwise_attention(q, k, v, window=window, q_block=bq, kv_block=bk)
+    out, vjp = jax.vjp(attn, q, k, v)
+    phase[0] = "backward"
+    return out, vjp(ct)
+
+  jax.block_until_ready(jax.jit(run)(q, k, v, ct))
+  jax.effects_barrier()
+  expected = pairs_with_visible_keys(T, T, window, bq, bk)
+  assert sorted(visits["forward"]) == expected
+  assert sorted(visits["backward"]) == expected
+  causal_pairs = pairs_with_visible_keys(T, T, T, bq, bk)
+  assert len(expected) * 2 < len(causal_pairs), (len(expected), len(causal_pairs))
+  if (T, window, bq, bk) == (256, 16, 16, 16):  # each block meets at most two of the other kind
+    assert max(np.bincount([i for i, _ in expected])) == 2
+    assert max(np.bincount([j for _, j in expected])) == 2
+    assert (len(expected), len(causal_pairs)) == (31, 136)
+
+
 @pytest.mark.parametrize("T,S,causal", [(16, 40, True), (40, 16, False)])
 def test_cross_lengths_match_naive(T, S, causal):
   """T != S: causal is top-left aligned (query i sees keys j <= i), as is_causal=True."""
@@ -135,13 +318,20 @@ def test_unsorted_segment_ids_match_naive():
   assert_fp32_close(*both(q, k, v, ct, seg, seg, causal=False, q_block=8, kv_block=8))
 
 
-def test_rows_without_visible_keys_are_zero_not_nan():
+@pytest.mark.parametrize("impl", [blockwise_attention])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_rows_without_visible_keys_are_zero_not_nan(impl, sinks):
+  """Zeros with or without a sink: the sink takes all of such a row's probability, and has no
+  value."""
   T, S = 12, 10
   q, k, v, ct = random_qkv(2, T, S, 2, 2, 8, jnp.float32, seed=3)
   seg_q = jnp.asarray(np.repeat([[0] * 4 + [1] * 4 + [2] * 4], 2, axis=0), jnp.int32)
   seg_k = jnp.asarray(np.repeat([[1] * 5 + [2] * 5], 2, axis=0), jnp.int32)  # no key of doc 0
-  got = both(q, k, v, ct, seg_q, seg_k, q_block=4, kv_block=4)
+  blocks = dict(q_block=4, kv_block=4) if impl is blockwise_attention else {}
+  got = both(q, k, v, ct, seg_q, seg_k, sinks=random_sinks(2, 3) if sinks else None, impl=impl,
+             **blocks)
   (out, grads) = got[0]
+  assert len(grads) == 3 + sinks
   assert np.all(np.isfinite(out)) and all(np.all(np.isfinite(g)) for g in grads)
   np.testing.assert_array_equal(out[:, :4], 0.0)  # document 0's queries see no key at all
   np.testing.assert_array_equal(grads[0][:, :4], 0.0)
@@ -154,13 +344,25 @@ def test_agrees_with_jax_dot_product_attention(scale):
   fast = lambda q, k, v: blockwise_attention(q, k, v, q_block=16, kv_block=16, scale=scale)
   xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
                                                      implementation="xla")
-  assert_fp32_close(value_and_grads(fast, q, k, v, ct), value_and_grads(xla, q, k, v, ct))
+  want = value_and_grads(xla, q, k, v, ct)
+  assert_fp32_close(value_and_grads(fast, q, k, v, ct), want)
 
 
-def test_rejects_mismatched_heads():
-  q, k, v, _ = random_qkv(1, 4, 4, 3, 2, 8, jnp.float32, seed=0)
+@pytest.mark.parametrize("impl", [blockwise_attention])
+def test_rejects_bad_arguments(impl):
+  q, k, v, _ = random_qkv(1, 4, 4, 4, 2, 8, jnp.float32, seed=0)
   with pytest.raises(ValueError, match="multiple"):
-    blockwise_attention(q, k, v)
+    impl(q[:, :, :3], k, v)
+  with pytest.raises(ValueError, match="do not fit"):
+    impl(q, k, v[:, :3])
+  with pytest.raises(ValueError, match="causal"):
+    impl(q, k, v, causal=False, window=2)
+  with pytest.raises(ValueError, match="window"):
+    impl(q, k, v, window=0)
+  with pytest.raises(ValueError, match="softcap"):
+    impl(q, k, v, softcap=0.0)
+  with pytest.raises(ValueError, match="sinks"):
+    impl(q, k, v, sinks_N=jnp.zeros(2))
 
 
 def _max_intermediate_elements(jaxpr):
