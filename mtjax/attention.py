@@ -4,7 +4,10 @@ The fallback beside cuDNN's fused kernel: CPU, fp32, any head size and document 
 The forward keeps a running max and sum per query row in fp32 (online softmax) and saves only the
 output and each row's logsumexp; the backward recomputes one block of scores at a time.
 
-It takes the variants that model families use: a causal sliding window (Mistral, Gemma 2/3,
+Beside it, `dense_attention` computes the same semantics with a materialised [B, N, T, S] score
+matrix and XLA's autodiff, for short sequences where one fused matmul beats a loop of blocks.
+
+Both take the variants that model families use: a causal sliding window (Mistral, Gemma 2/3,
 GPT-OSS), logit soft-capping (Gemma 2), attention sinks (GPT-OSS) and a value head width other than
 the query/key width (DeepSeek's multi-head latent attention).
 """
@@ -65,6 +68,68 @@ def blockwise_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxHv: 
   return _attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, seg_q, seg_k, sinks_N, cfg)
 
 
+def dense_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxHv: jax.Array, *,
+                    segments_q_BxT: jax.Array | None = None,
+                    segments_k_BxS: jax.Array | None = None, causal: bool = True,
+                    scale: float | None = None, window: int | None = None,
+                    softcap: float | None = None, sinks_N: jax.Array | None = None) -> jax.Array:
+  """`blockwise_attention`'s semantics with materialised [B, N, T, S] fp32 scores.
+
+  Plain jax.numpy, differentiated by XLA's autodiff: for short sequences and the CPU, where the
+  whole score matrix fits and one matmul beats a loop of blocks. Query heads are grouped beside
+  their key/value head (k and v are never repeated per query head); the softmax runs in fp32.
+
+  Args:
+    q_BxTxNxH: queries; N a multiple of K.
+    k_BxSxKxH: keys.
+    v_BxSxKxHv: values; Hv may differ from H.
+    segments_q_BxT: integer document ids per query; a query attends only to keys of its own id.
+    segments_k_BxS: integer document ids per key; either one alone is used for both (needs T == S).
+    causal: query i sees key j only where j <= i (top-left aligned).
+    scale: multiplies the scores; default 1 / sqrt(H).
+    window: sliding window (needs causal): query i sees key j only where i - window < j <= i.
+    softcap: soft-caps the scaled scores to softcap * tanh(scores / softcap).
+    sinks_N: one logit per query head that joins each row's softmax denominator, with no value.
+
+  Returns:
+    [B, T, N, Hv] in q's dtype. A query row that sees no key at all gets zeros.
+  """
+  seg_q_BxT, seg_k_BxS, cfg = _settings(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, segments_q_BxT,
+                                        segments_k_BxS, causal, scale, window, softcap, sinks_N)
+  B, T, N, H = q_BxTxNxH.shape
+  S, K, Hv = v_BxSxKxHv.shape[1:]
+  G = N // K
+  s_BxKxGxTxS = jnp.einsum("btkgh,bskh->bkgts", q_BxTxNxH.reshape(B, T, K, G, H), k_BxSxKxH,
+                           preferred_element_type=jnp.float32) * cfg.scale
+  if cfg.softcap is not None:
+    s_BxKxGxTxS = cfg.softcap * jnp.tanh(s_BxKxGxTxS / cfg.softcap)
+  visible_TxS = _position_mask(jnp.arange(T), jnp.arange(S), cfg)
+  visible = None if visible_TxS is None else visible_TxS[None]  # [1, T, S]
+  if seg_q_BxT is not None:
+    same_BxTxS = seg_q_BxT[:, :, None] == seg_k_BxS[:, None, :]
+    visible = same_BxTxS if visible is None else visible & same_BxTxS
+  if visible is not None:
+    visible = visible[:, None, None]
+    s_BxKxGxTxS = jnp.where(visible, s_BxKxGxTxS, _NEG)
+  # The max only shifts the exponent (the softmax does not depend on it): no gradient through it.
+  m_BxKxGxT = s_BxKxGxTxS.max(axis=-1)
+  if sinks_N is not None:
+    sink_1xKxGx1 = sinks_N.astype(jnp.float32).reshape(1, K, G, 1)
+    m_BxKxGxT = jnp.maximum(m_BxKxGxT, sink_1xKxGx1)
+  m_BxKxGxT = lax.stop_gradient(m_BxKxGxT)
+  e_BxKxGxTxS = jnp.exp(s_BxKxGxTxS - m_BxKxGxT[..., None])
+  if visible is not None:
+    e_BxKxGxTxS = jnp.where(visible, e_BxKxGxTxS, 0.0)
+  l_BxKxGxT = e_BxKxGxTxS.sum(axis=-1)
+  if sinks_N is not None:
+    l_BxKxGxT = l_BxKxGxT + jnp.exp(sink_1xKxGx1 - m_BxKxGxT)
+  # A row with no visible key and no sink sums to 0: its probabilities stay 0, its output zeros.
+  p_BxKxGxTxS = e_BxKxGxTxS / jnp.where(l_BxKxGxT > 0, l_BxKxGxT, 1.0)[..., None]
+  out_BxTxKxGxHv = jnp.einsum("bkgts,bskh->btkgh", p_BxKxGxTxS.astype(v_BxSxKxHv.dtype),
+                              v_BxSxKxHv, preferred_element_type=jnp.float32)
+  return out_BxTxKxGxHv.reshape(B, T, N, Hv).astype(q_BxTxNxH.dtype)
+
+
 class _Cfg(NamedTuple):
   """Static settings: hashable, so they ride along as the custom_vjp's nondiff argument."""
   causal: bool
@@ -77,7 +142,7 @@ class _Cfg(NamedTuple):
 
 def _settings(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, seg_q_BxT, seg_k_BxS, causal, scale, window,
               softcap, sinks_N):
-  """Checks the arguments: (segments q, segments k, _Cfg without the block sizes)."""
+  """Checks the arguments both entry points share: (segments q, segments k, _Cfg without blocks)."""
   B, T, N, H = q_BxTxNxH.shape
   Bk, S, K, Hk = k_BxSxKxH.shape
   if (Bk, Hk) != (B, H) or v_BxSxKxHv.ndim != 4 or v_BxSxKxHv.shape[:3] != (B, S, K):

@@ -1,5 +1,5 @@
-"""Blockwise attention against a naive materialised-scores attention: values and gradients
-(q, k, v, sinks), with sliding windows, soft-capping, sinks and a value width of its own.
+"""Blockwise and dense attention against a naive materialised-scores attention: values and
+gradients (q, k, v, sinks), with sliding windows, soft-capping, sinks and a value width of its own.
 """
 
 import jax
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, strategies as hst
 
 from mtjax import attention
-from mtjax.attention import blockwise_attention
+from mtjax.attention import blockwise_attention, dense_attention
 from numerics import REL_L2, assert_trees_close
 
 
@@ -76,8 +76,8 @@ def value_and_grads(attn, q, k, v, ct, *sinks):
 
   The sinks' gradient under a random cotangent, -sum over rows of p_sink * (ct . out), sums terms
   of either sign that cancel: fp32 rounding of the terms then moves the result by ~1e-5 of itself
-  in any implementation (blockwise and naive each measured 5e-6 to 7e-6 off a float64 reference
-  on one sweep case), so a comparison would measure the cancellation. With ct = out
+  in any implementation (blockwise, dense and naive each measured 5e-6 to 7e-6 off a float64
+  reference on one sweep case), so a comparison would measure the cancellation. With ct = out
   every term is -p_sink |out|^2 <= 0, and it measures the formula.
   """
 
@@ -160,10 +160,12 @@ def test_bf16_sweep_close_to_fp32_naive(T, heads, H, blocks, packed, seed):
   seg = packed_segments(2, T, seed) if packed else None
   (out, grads), (out_ref, grads_ref) = both(q, k, v, ct, seg, seg, q_block=blocks[0],
                                             kv_block=blocks[1])
-  assert out.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in grads)
-  assert relative_error(out, out_ref) < 1e-2
-  for g, g_ref in zip(grads, grads_ref):
-    assert relative_error(g, g_ref) < 1e-2
+  dense_out, dense_grads = results(dense_attention, q, k, v, ct, seg, seg)
+  for o, gs in [(out, grads), (dense_out, dense_grads)]:
+    assert o.dtype == jnp.bfloat16 and all(g.dtype == jnp.bfloat16 for g in gs)
+    assert relative_error(o, out_ref) < 1e-2
+    for g, g_ref in zip(gs, grads_ref):
+      assert relative_error(g, g_ref) < 1e-2
 
 
 # Scores far into tanh's bend under the cap: q.k has standard deviation sqrt(H), so this scale
@@ -182,11 +184,12 @@ def features_case(B, T, S, heads, H, Hv, packed, window, softcap, sinks, seed):
 
 
 def assert_matches_naive(q, k, v, ct, seg, causal=True, blocks=(8, 8), **options):
-  """The blockwise attention matches the naive one, values and gradients."""
+  """The blockwise and the dense attention each match the naive one, values and gradients."""
   args = (q, k, v, ct, seg, seg, causal)
   want = results(naive_attention, *args, **options)
   assert_fp32_close(results(blockwise_attention, *args, q_block=blocks[0], kv_block=blocks[1],
                             **options), want)
+  assert_fp32_close(results(dense_attention, *args, **options), want)
 
 
 # Fixed corners of the feature sweep below: each feature with others, blocks that do not divide T.
@@ -235,7 +238,7 @@ def test_softcap_bends_the_scores():
   assert relative_error(mild, out) > 100 * REL_L2  # even that one shows
 
 
-@pytest.mark.parametrize("impl", [blockwise_attention])
+@pytest.mark.parametrize("impl", [blockwise_attention, dense_attention])
 def test_window_covering_the_sequence_equals_no_window_exactly(impl):
   """A window of T or more hides no key of a causal row: the same numbers, bit for bit."""
   B, T, N, K, H = 2, 33, 4, 2, 8
@@ -318,7 +321,7 @@ def test_unsorted_segment_ids_match_naive():
   assert_fp32_close(*both(q, k, v, ct, seg, seg, causal=False, q_block=8, kv_block=8))
 
 
-@pytest.mark.parametrize("impl", [blockwise_attention])
+@pytest.mark.parametrize("impl", [blockwise_attention, dense_attention])
 @pytest.mark.parametrize("sinks", [False, True])
 def test_rows_without_visible_keys_are_zero_not_nan(impl, sinks):
   """Zeros with or without a sink: the sink takes all of such a row's probability, and has no
@@ -342,13 +345,15 @@ def test_rows_without_visible_keys_are_zero_not_nan(impl, sinks):
 def test_agrees_with_jax_dot_product_attention(scale):
   q, k, v, ct = random_qkv(2, 48, 48, 4, 2, 16, jnp.float32, seed=7)
   fast = lambda q, k, v: blockwise_attention(q, k, v, q_block=16, kv_block=16, scale=scale)
+  dense = lambda q, k, v: dense_attention(q, k, v, scale=scale)
   xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
                                                      implementation="xla")
   want = value_and_grads(xla, q, k, v, ct)
   assert_fp32_close(value_and_grads(fast, q, k, v, ct), want)
+  assert_fp32_close(value_and_grads(dense, q, k, v, ct), want)
 
 
-@pytest.mark.parametrize("impl", [blockwise_attention])
+@pytest.mark.parametrize("impl", [blockwise_attention, dense_attention])
 def test_rejects_bad_arguments(impl):
   q, k, v, _ = random_qkv(1, 4, 4, 4, 2, 8, jnp.float32, seed=0)
   with pytest.raises(ValueError, match="multiple"):
@@ -363,6 +368,32 @@ def test_rejects_bad_arguments(impl):
     impl(q, k, v, softcap=0.0)
   with pytest.raises(ValueError, match="sinks"):
     impl(q, k, v, sinks_N=jnp.zeros(2))
+
+
+def test_dense_keeps_keys_and_values_at_their_own_heads():
+  """No array in the dense forward and backward holds k or v repeated per query head: the query
+  heads are grouped beside their key/value head, as in the blockwise attention."""
+  B, T, S, N, K, H, Hv = 1, 24, 40, 6, 2, 16, 8
+  q = jax.ShapeDtypeStruct((B, T, N, H), jnp.float32)
+  k = jax.ShapeDtypeStruct((B, S, K, H), jnp.float32)
+  v = jax.ShapeDtypeStruct((B, S, K, Hv), jnp.float32)
+  loss = lambda q, k, v: jnp.sum(dense_attention(q, k, v, causal=False) ** 2)
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr
+  for shape in _intermediate_shapes(jaxpr):
+    size = int(np.prod(shape))
+    assert not (S in shape and H in shape and size > B * S * K * H), shape  # k repeated
+    assert not (S in shape and Hv in shape and size > B * S * K * Hv), shape  # v repeated
+  assert (B, K, N // K, T, S) in _intermediate_shapes(jaxpr)  # the scores, grouped
+
+
+def _intermediate_shapes(jaxpr):
+  """Every array shape an equation produces, descending into sub-jaxprs."""
+  shapes = set()
+  for eqn in jaxpr.eqns:
+    shapes.update(tuple(var.aval.shape) for var in eqn.outvars if hasattr(var.aval, "shape"))
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      shapes |= _intermediate_shapes(sub)
+  return shapes
 
 
 def _max_intermediate_elements(jaxpr):
