@@ -36,7 +36,9 @@ if __package__ in (None, ""):  # run as a script: the repository root holds mtja
   sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mtjax import config as config_lib  # noqa: E402
-from mtjax import data, model, plan as plan_lib, state as state_lib, store as store_lib  # noqa: E402
+from mtjax import cli, data, models, plan as plan_lib, store as store_lib  # noqa: E402
+from mtjax.layout import Layout  # noqa: E402
+from mtjax.models.layers import token_nll  # noqa: E402
 from mtjax.engine import DTYPES, Engine, attention_impl  # noqa: E402
 from mtjax.optimizer import HostOptimizer, UpdateRule, schedule  # noqa: E402
 from mtjax.train import device_peak_bytes  # noqa: E402
@@ -66,7 +68,7 @@ def matmul_tflops(device, n=8192, reps=10) -> float:
 
 def link_gbps(device, nbytes=2 * GiB, reps=5) -> tuple[float, float]:
   """(host->device, device->host) GB/s between pinned host memory and the device."""
-  kind = state_lib.host_memory_kind(device)
+  kind = store_lib.host_memory_kind(device)
   if kind is None:
     return float("nan"), float("nan")
   host = SingleDeviceSharding(device, memory_kind=kind)
@@ -81,7 +83,7 @@ def link_gbps(device, nbytes=2 * GiB, reps=5) -> tuple[float, float]:
 
 def host_adamw_gparams(cfg: config_lib.OptimConfig, n: int, reps=3) -> float:
   """The host update's rate alone, in Gparam/s, on one n-element group."""
-  lay = state_lib.Layout.from_shapes({"w": jax.ShapeDtypeStruct((n, 1), jnp.float32)})
+  lay = Layout.from_shapes({"w": jax.ShapeDtypeStruct((n, 1), jnp.float32)})
   rng = np.random.default_rng(0)
   rule = UpdateRule(cfg, 100)
   grp = store_lib.Group("probe", "block", lay, "host", rng.standard_normal(n, dtype=np.float32),
@@ -155,15 +157,17 @@ def flops(cfg: config_lib.Config, attention: str) -> dict:
   forward, once re-materialised in the backward; attention included, masked half too for XLA's)."""
   m, t = cfg.model, cfg.train
   tokens = t.batch * t.seq
-  lays = state_lib.layouts(m)
+  spec = models.spec(m)
   work = plan_lib.flops(cfg)
-  block_matmul = lays["block"].n_decay  # every matrix of a block is a matmul weight
+  # the matrices a token multiplies by (a mixture's chosen experts), block by block
+  block_matmul = sum(spec.matmul_params(kind) for _, kind in spec.groups[1:-1])
   head_matmul = m.hidden * m.vocab_size
   # flash kernels skip the masked half
-  attn_fwd = plan_lib.attention_forward_flops(cfg, causal_half=attention in ("cudnn", "blockwise"))
-  hw = m.layers * (8 * block_matmul * tokens + 4 * attn_fwd) + 6 * head_matmul * tokens
+  attn_fwd = spec.attention_forward_flops(t.batch, t.seq,
+                                          causal_half=attention in ("cudnn", "blockwise"))
+  hw = 8 * block_matmul * tokens + 4 * attn_fwd + 6 * head_matmul * tokens
   return {"model": work["model"], "with_attention": work["with_attention"], "hw": hw,
-          "params": plan_lib.param_counts(m)["total"], "tokens": tokens}
+          "params": spec.counts["total"], "active": spec.counts["active"], "tokens": tokens}
 
 
 # ---- systems --------------------------------------------------------------------------------
@@ -235,21 +239,26 @@ def all_gpu_step(cfg: config_lib.Config, lays, attention: str):
   """Plain JAX baseline: the whole model in one jit, fp32 params + AdamW on the device,
   bf16 compute, each block re-materialised in the backward (jax.checkpoint), blocks scanned."""
   m = cfg.model
+  spec = models.spec(m)
   cd = DTYPES[cfg.engine.compute_dtype]
-  block, head = model.Block(m, attention), model.Head(m)
+  kinds = [kind for _, kind in spec.groups[1:-1]]
+  blocks = {k: spec.block(k, attention) for k in set(kinds)}
+  embed, head = spec.embed(cd), spec.head()
 
   def loss_fn(params, tokens, targets):
+    x = embed.apply({"params": lays["embed"].unflatten(params["embed"])}, tokens)
     table = params["embed"].astype(cd).reshape(m.vocab_size, m.hidden)
-    x = jnp.take(table, tokens, axis=0)
 
-    @jax.checkpoint
-    def one(x, wb):
-      return block.apply({"params": lays["block"].unflatten(wb.astype(cd))}, x)
-
-    x, _ = jax.lax.scan(lambda x, wb: (one(x, wb), None), x, params["blocks"])
+    one = {k: jax.checkpoint(lambda x, wb, k=k: blocks[k].apply(
+        {"params": lays[k].unflatten(wb.astype(cd))}, x)[0]) for k in blocks}
+    if len(blocks) == 1:  # one kind: the blocks scanned, one compiled body
+      x, _ = jax.lax.scan(lambda x, wb: (one[kinds[0]](x, wb), None), x, params["blocks"])
+    else:
+      for i, kind in enumerate(kinds):
+        x = one[kind](x, params["blocks"][i])
     hp = lays["head"].unflatten(params["head"].astype(cd))
     logits = head.apply({"params": hp}, x, table if m.tie_embeddings else None)
-    return jnp.mean(model.token_nll(logits.reshape(-1, m.vocab_size), targets.reshape(-1)))
+    return jnp.mean(token_nll(logits.reshape(-1, m.vocab_size), targets.reshape(-1)))
 
   o = cfg.optim
   tx = optax.adamw(schedule(o, cfg.decay_steps), b1=o.b1, b2=o.b2, eps=o.eps,
@@ -266,7 +275,8 @@ def all_gpu_step(cfg: config_lib.Config, lays, attention: str):
 def run_all_gpu(cfg, batches, warmup, steps, attention):
   st = store_lib.create(cfg, jax.random.key(cfg.train.seed), ["device"] * (cfg.model.layers + 2))
   w = [st.groups[i].w for i in range(len(st.groups))]
-  params = {"embed": w[0], "blocks": jnp.stack(w[1:-1]), "head": w[-1]}
+  one_kind = len(st.spec.kinds) == 1
+  params = {"embed": w[0], "blocks": jnp.stack(w[1:-1]) if one_kind else w[1:-1], "head": w[-1]}
   lays = st.layouts
   st.close()
   del st, w
@@ -383,7 +393,7 @@ def main(argv=None):
                       "resident: one more model's weights in device memory)")
   p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[ KEY=VALUE...]",
                  help="also time the engine with these overrides, as system mtjax:NAME")
-  args, cfg = config_lib.parse_cli(p, argv)
+  args, cfg = cli.parse_cli(p, argv)
   systems = args.systems.split(",")
   unknown = set(systems) - {"mtjax", "mtjax-serial", "jax-all-gpu", "roofline"}
   if unknown:
@@ -393,7 +403,7 @@ def main(argv=None):
   for v in args.variant:
     name, _, ovs = v.partition(":")
     try:
-      variants["mtjax:" + name] = config_lib.load(args.config, args.overrides + ovs.split())
+      variants["mtjax:" + name] = cli.load_config(args.config, args.overrides + ovs.split())
     except config_lib.ConfigError as e:
       print(f"--variant {name}: {e}", file=sys.stderr)
       return 2
@@ -417,7 +427,7 @@ def main(argv=None):
   small = dev.platform == "cpu"  # the ceilings at GPU sizes would take minutes on a CPU
   mm = matmul_tflops(dev, n=1024 if small else 8192)
   h2d, d2h = link_gbps(dev, nbytes=64 * 2**20 if small else 2 * GiB)
-  block_size = state_lib.layouts(cfg.model)["block"].size
+  block_size = max(models.spec(cfg.model).counts[k] for k in models.spec(cfg.model).kinds)
   opt_rate = host_adamw_gparams(cfg.optim, max(block_size, 2**20))
   print(f"ceilings: bf16 matmul {mm:.0f} TFLOP/s, H2D {h2d:.1f} GB/s, D2H {d2h:.1f} GB/s, "
         f"host AdamW {opt_rate:.2f} Gparam/s", flush=True)

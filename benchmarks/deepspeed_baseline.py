@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mtjax import config as config_lib, data, plan
+from mtjax import cli, config as config_lib, data, plan
 
 
 def ds_config(cfg: config_lib.Config) -> dict:
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
   p.add_argument("--out", help="append the record to this JSON list")
   p.add_argument("--optimizer", choices=("ds", "torch"), default="ds",
                  help="ds: DeepSpeedCPUAdam (compiled at first use); torch: torch.optim.AdamW(fused)")
-  args, cfg = config_lib.parse_cli(p, argv)
+  args, cfg = cli.parse_cli(p, argv)
   for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"),
                ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
     os.environ.setdefault(k, v)

@@ -10,7 +10,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-from mtjax import config, data, engine, plan, state as state_lib, store  # noqa: E402
+from mtjax import config, data, engine, plan, store  # noqa: E402
+from mtjax.layout import Layout  # noqa: E402
 
 base = config.from_dict({
     "model": dict(vocab_size=128, hidden=64, layers=3, heads=4, kv_heads=2, ffn=96,
@@ -77,7 +78,7 @@ for tiers in ((0, 0), (0, 5), (5, 0), (2, 2)):
 
 # 2. host update rates: the fused AdamW against the general optax path on XLA:CPU (64M params)
 n = 64 * 2**20
-lay = state_lib.Layout.from_shapes({"w": jax.ShapeDtypeStruct((n // 1024, 1024), jnp.float32)})
+lay = Layout.from_shapes({"w": jax.ShapeDtypeStruct((n // 1024, 1024), jnp.float32)})
 rng = np.random.default_rng(0)
 g = rng.standard_normal(n, dtype=np.float32)
 for name, impl in (("adamw", "fused"), ("adamw", "optax"), ("lion", "optax"), ("sgd", "optax")):

@@ -107,21 +107,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mtjax import checkpoint, config, model, store  # noqa: E402
+import mtjax  # noqa: E402
+from mtjax import checkpoint, cli, store  # noqa: E402
 
-cfg = config.load(ROOT / "configs/finetune.yaml", [f"model.from_hf={model_dir}", f"data.path={data_dir}",
+cfg = cli.load_config(ROOT / "configs/finetune.yaml", [f"model.from_hf={model_dir}", f"data.path={data_dir}",
                                                    "engine.device_state_layers=0"])
 st = store.create(cfg, jax.random.key(0))
 checkpoint.restore(st, checkpoint.latest(work / "ck"))
 ids = np.random.default_rng(0).integers(0, V, (2, 256)).astype(np.int32)
-lays, mc = st.layouts, st.model_cfg
 with jax.default_matmul_precision("highest"):
-  w = {g.name: jnp.asarray(st.read(i)["w"]) for i, g in enumerate(st.groups)}
-  x = model.Embed(mc).apply({"params": lays["embed"].unflatten(w["embed"])}, ids)
-  for i in range(mc.layers):
-    x = model.Block(mc, "xla").apply({"params": lays["block"].unflatten(w[f"block_{i}"])}, x)
-  table = lays["embed"].unflatten(w["embed"])["table"] if mc.tie_embeddings else None
-  ours = np.asarray(model.Head(mc).apply({"params": lays["head"].unflatten(w["head"])}, x, table))
+  ours = np.asarray(mtjax.forward(st.model_cfg, st.to_tree(), ids))
 torch.backends.cuda.matmul.allow_tf32 = False
 dev = "cpu" if SMALL else "cuda"
 exported = transformers.AutoModelForCausalLM.from_pretrained(

@@ -29,7 +29,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: the repository root holds mtjax
   sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mtjax import config as config_lib  # noqa: E402
+from mtjax import cli, config as config_lib  # noqa: E402
 
 GiB = 2**30
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +42,7 @@ def _row_path(out: Path, name: str, seq: int, layers: int | None) -> Path:
 def run(args, overrides: list[str]) -> int:
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  full = config_lib.load(args.config, overrides)
+  full = cli.load_config(args.config, overrides)
   common = [f"train.seq={args.seq}", "train.batch=1", *overrides]
   train_over = common + [f"train.steps={args.steps}", "train.eval_every=0"]
   if args.layers is not None:

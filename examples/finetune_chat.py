@@ -125,11 +125,11 @@ sh("-m", "mtjax.train", "--config", "configs/finetune.yaml", "--no-progress",
 
 # 5. Held-out loss of the base model and of the export, on the same held-out batches as training
 # uses, through the library (loading an export back checks it too).
-from mtjax import config, data, engine, hf, plan, store  # noqa: E402
+from mtjax import cli, config, data, engine, hf, plan, store  # noqa: E402
 
 
 def held_out_loss(model_dir: Path) -> float:
-  cfg = config.load(ROOT / "configs/finetune.yaml",
+  cfg = cli.load_config(ROOT / "configs/finetune.yaml",
                     [f"model.from_hf={model_dir}", f"data.path={data_dir}", *toy])
   cfg, _ = plan.prepare(cfg)  # before the first jax call, as in examples/custom_loop.py
   import jax  # noqa: PLC0415

@@ -5,4 +5,16 @@ XLA caps its pinned host pool (which holds the master weights) at 64 GiB unless
 XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB says otherwise; `mtjax.plan.prepare(cfg)` sets it from the plan
 (`mtjax.plan.configure_pinned_pool`), as `python -m mtjax.train` does, and must run before the jax
 backend starts.
+
+The functional API (`mtjax.load_hf`, `mtjax.forward`, `mtjax.to_hf_names`) is mtjax.api's, loaded
+on first use.
 """
+
+_API = ("load_hf", "forward", "to_hf_names")
+
+
+def __getattr__(name):
+  if name in _API:
+    from mtjax import api  # noqa: PLC0415 - imported on first use: `import mtjax` stays light
+    return getattr(api, name)
+  raise AttributeError(f"module 'mtjax' has no attribute {name!r}")

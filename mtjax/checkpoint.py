@@ -10,7 +10,6 @@ which ones it skipped and why.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -21,7 +20,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from mtjax import hf
+from mtjax import config as config_lib, hf
 from mtjax.store import LayerStore
 
 _STEP_DIR = re.compile(r"step_(\d+)$")
@@ -156,7 +155,7 @@ def restore(store: LayerStore, path: str | Path) -> dict:
   path = Path(path).absolute()
   meta = read_meta(path)
   diff = model_difference(meta.get("extra", {}).get("config", {}).get("model"),
-                          dataclasses.asdict(store.model_cfg))
+                          config_lib.to_dict(store.model_cfg))
   if diff:
     raise CheckpointMismatch(f"checkpoint {path} is of another model ({diff})")
   have, want = meta["groups"], _layout_record(store)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 import types
 import typing
 from pathlib import Path
@@ -18,7 +17,81 @@ class ConfigError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  """A mixture-of-experts feed-forward: routed experts, optional shared ones, and the router."""
+  experts: int = 8  # routed experts E
+  experts_per_token: int = 2  # experts each token is sent to (top-k)
+  expert_ffn: int = 64  # inner width of each routed expert
+  router: Literal["softmax", "topk_softmax", "sigmoid"] = "softmax"  # softmax over all experts then top-k (Mixtral, Qwen, DeepSeek-V2); softmax over the top-k logits (GPT-OSS); sigmoid scores (DeepSeek-V3)
+  norm_topk_prob: bool = True  # renormalise the chosen experts' weights to sum to 1
+  router_bias: bool = False  # a learned bias on the router logits (GPT-OSS)
+  score_correction_bias: bool = False  # a bias added to the scores only to choose experts (DeepSeek-V3)
+  groups: int = 1  # group-limited routing: experts fall in this many groups (DeepSeek n_group)
+  topk_groups: int = 1  # tokens choose experts only within this many best groups
+  group_score: Literal["max", "top2_sum"] = "max"  # a group's score: its best expert (DeepSeek-V2) or its best two summed (V3)
+  routed_scaling: float = 1.0  # multiplies the routed experts' weights (routed_scaling_factor)
+  shared_experts: int = 0  # experts every token passes through (DeepSeek n_shared_experts; Qwen2-MoE 1)
+  shared_ffn: int | None = None  # the shared experts' inner width together; None: shared_experts * expert_ffn
+  shared_gate: bool = False  # a sigmoid gate per token on the shared experts' output (Qwen2-MoE)
+  first_dense_layers: int = 0  # the first layers use a dense MLP of width model.ffn (first_k_dense_replace)
+  dense_layers: tuple[int, ...] = ()  # further layers with a dense MLP (Qwen2-MoE mlp_only_layers)
+  every: int = 1  # every k-th layer is a mixture (decoder_sparse_step), the others dense
+  aux_loss_coef: float = 0.0  # weight of the load-balancing loss in the training loss
+  z_loss_coef: float = 0.0  # weight of the router z-loss (mean squared logsumexp of the logits)
+  capacity_factor: float | None = None  # None: dropless; else each expert takes at most factor x (tokens x k / E) and the rest are dropped (and counted)
+
+  def __post_init__(self):
+    _positive(self, "experts", "experts_per_token", "expert_ffn", "groups", "topk_groups", "every",
+              section="model.moe.")
+    if self.experts_per_token > self.experts:
+      raise ConfigError(f"model.moe.experts_per_token: {self.experts_per_token} exceeds "
+                        f"model.moe.experts ({self.experts})")
+    if self.experts % self.groups or self.topk_groups > self.groups:
+      raise ConfigError(f"model.moe.groups: {self.groups} must divide model.moe.experts "
+                        f"({self.experts}) and be >= model.moe.topk_groups ({self.topk_groups})")
+    if self.groups > 1 and self.experts_per_token > self.topk_groups * self.experts // self.groups:
+      raise ConfigError(f"model.moe.experts_per_token: {self.experts_per_token} exceed the experts "
+                        f"of {self.topk_groups} group(s)")
+    if self.shared_experts < 0 or (self.shared_ffn is not None and self.shared_ffn <= 0):
+      raise ConfigError("model.moe.shared_experts must be >= 0 and model.moe.shared_ffn > 0")
+    if self.first_dense_layers < 0 or any(i < 0 for i in self.dense_layers):
+      raise ConfigError("model.moe.first_dense_layers and model.moe.dense_layers must be >= 0")
+    if self.aux_loss_coef < 0 or self.z_loss_coef < 0 or self.routed_scaling <= 0:
+      raise ConfigError("model.moe.aux_loss_coef and z_loss_coef must be >= 0, routed_scaling > 0")
+    if self.capacity_factor is not None and self.capacity_factor <= 0:
+      raise ConfigError(f"model.moe.capacity_factor: {self.capacity_factor} must be > 0 or null")
+
+  @property
+  def shared_width(self) -> int:
+    return self.shared_ffn if self.shared_ffn is not None else self.shared_experts * self.expert_ffn
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+  """Multi-head latent attention (DeepSeek-V2/V3): keys and values from a low-rank latent."""
+  kv_lora_rank: int = 32  # width of the compressed key/value latent
+  q_lora_rank: int | None = None  # width of the compressed query latent; None: a full q projection
+  qk_nope_dim: int = 16  # per-head query/key channels without RoPE
+  qk_rope_dim: int = 8  # per-head query/key channels with RoPE (the key's are shared by all heads)
+  v_dim: int = 16  # per-head value width
+  rope_interleave: bool = True  # the RoPE channels come as interleaved pairs (DeepSeek's checkpoints)
+
+  def __post_init__(self):
+    _positive(self, "kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_dim", section="model.mla.")
+    if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+      raise ConfigError(f"model.mla.q_lora_rank: {self.q_lora_rank} must be > 0 or null")
+    if self.qk_rope_dim % 2:
+      raise ConfigError(f"model.mla.qk_rope_dim: {self.qk_rope_dim} must be even for RoPE")
+
+
+LayerType = Literal["full", "sliding"]
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
+  """A decoder-only transformer. `family` names the model family (mtjax.models): it reads and
+  writes the Hugging Face files; the fields say what the layers compute."""
+  family: str = "llama"  # the model family (mtjax.models): llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, olmo2, mixtral, qwen2_moe, qwen3_moe, gpt_oss, deepseek_v2, deepseek_v3
   from_hf: str | None = None  # a Hugging Face model directory: its config.json sets the shape, its safetensors the initial weights
   vocab_size: int = 256  # tokens in the vocabulary
   hidden: int = 64  # model width D
@@ -26,36 +99,85 @@ class ModelConfig:
   heads: int = 4  # query heads; head_dim = hidden / heads unless head_dim is set
   kv_heads: int | None = None  # key/value heads for grouped-query attention; None means = heads
   head_dim: int | None = None  # per-head width; None means hidden / heads
-  ffn: int = 176  # SwiGLU inner width
+  ffn: int = 176  # inner width of the dense MLP
   tie_embeddings: bool = False  # LM head reuses the token embedding table
-  qkv_bias: bool = False  # bias on q/k/v projections (Qwen2)
-  qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+  qkv_bias: bool = False  # bias on q/k/v projections (Qwen2, GPT-OSS)
+  o_bias: bool = False  # bias on the attention output projection (GPT-OSS)
+  qk_norm: bool = False  # RMSNorm on q and k before RoPE (Qwen3, Gemma 3, OLMo 2)
+  qk_norm_scope: Literal["head", "all"] = "head"  # over each head's channels, or over the whole projection (OLMo 2)
+  layer_types: tuple[LayerType, ...] | None = None  # each layer's attention: full, or sliding (a window of sliding_window tokens); None: all full
+  sliding_window: int | None = None  # tokens a sliding layer's query sees, itself included
+  attn_softcap: float | None = None  # attention logits capped as c * tanh(s / c) (Gemma 2)
+  query_scale: float | None = None  # the attention logits' scale; None: 1 / sqrt(head_dim)
+  attention_sinks: bool = False  # a learned logit per head joins each softmax (GPT-OSS)
   rope_theta: float = 10000.0  # RoPE base
-  rope_scaling: Literal["none", "linear", "llama3"] = "none"  # RoPE frequency scaling rule
-  rope_factor: float = 1.0  # scaling factor for linear / llama3
+  rope_scaling: Literal["none", "linear", "llama3", "longrope", "yarn"] = "none"  # RoPE frequency scaling rule
+  rope_factor: float = 1.0  # scaling factor (linear, llama3, longrope, yarn)
   rope_low_freq_factor: float = 1.0  # llama3 scaling: low-frequency cut
   rope_high_freq_factor: float = 4.0  # llama3 scaling: high-frequency cut
-  rope_original_max_len: int = 8192  # llama3 scaling: pre-training context length
+  rope_original_max_len: int = 8192  # llama3, longrope, yarn: the pre-training context length
+  rope_short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors up to rope_original_max_len
+  rope_long_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors beyond it
+  rope_beta_fast: float = 32.0  # yarn: the high-frequency edge of the ramp (rotations)
+  rope_beta_slow: float = 1.0  # yarn: the low-frequency edge
+  rope_mscale: float = 1.0  # yarn (DeepSeek): mscale of the cos/sin scaling
+  rope_mscale_all_dim: float = 0.0  # yarn (DeepSeek): mscale_all_dim; also scales the attention logits
+  rope_attention_factor: float | None = None  # the cos/sin scaling; None: the rule's own
+  rope_truncate: bool = True  # yarn: round the ramp's edges to whole channels (GPT-OSS: false)
+  rope_partial: float = 1.0  # share of each head's channels RoPE rotates (partial_rotary_factor)
+  rope_local_theta: float | None = None  # RoPE base of sliding layers, without scaling (Gemma 3)
   norm_eps: float = 1e-5  # RMSNorm epsilon
+  norm_offset: bool = False  # norms scale by (1 + w), w stored and initialised at 0 (Gemma)
+  norm_position: Literal["pre", "sandwich", "post"] = "pre"  # norms before each sub-layer (Llama), before and after (Gemma), after only (OLMo 2)
+  mlp_act: Literal["silu", "gelu_tanh", "swiglu_clamped"] = "silu"  # the gated MLP's activation: SwiGLU, GeGLU (tanh GELU), or GPT-OSS's clamped SwiGLU
+  mlp_bias: bool = False  # biases on the MLP (and expert) projections (GPT-OSS)
+  swiglu_limit: float = 7.0  # swiglu_clamped: gate clamped above, up within +-limit
+  swiglu_alpha: float = 1.702  # swiglu_clamped: gate * sigmoid(alpha * gate)
+  embed_scale: bool = False  # the embedding is multiplied by sqrt(hidden) (Gemma)
+  final_softcap: float | None = None  # final logits capped as c * tanh(x / c) (Gemma 2)
+  moe: MoEConfig | None = None  # a mixture-of-experts feed-forward in the MoE layers
+  mla: MLAConfig | None = None  # multi-head latent attention instead of GQA (DeepSeek)
   init_std: float = 0.02  # std of the normal init of every matrix
 
   def __post_init__(self):
     _positive(self, "vocab_size", "hidden", "layers", "heads", "ffn")
-    for key in ("kv_heads", "head_dim"):  # None: derived from heads / hidden
+    for key in ("kv_heads", "head_dim", "sliding_window"):  # None: derived, or not used
       if getattr(self, key) is not None and getattr(self, key) <= 0:
         raise ConfigError(f"model.{key}: {getattr(self, key)} must be > 0 or null")
-    if self.init_std <= 0:
-      raise ConfigError(f"model.init_std: {self.init_std} must be > 0")
+    for key in ("init_std", "rope_theta", "rope_factor", "norm_eps", "swiglu_limit",
+                "swiglu_alpha", "rope_beta_fast", "rope_beta_slow"):
+      if getattr(self, key) <= 0:
+        raise ConfigError(f"model.{key}: {getattr(self, key)} must be > 0")
+    for key in ("attn_softcap", "query_scale", "final_softcap", "rope_attention_factor",
+                "rope_local_theta"):
+      if getattr(self, key) is not None and getattr(self, key) <= 0:
+        raise ConfigError(f"model.{key}: {getattr(self, key)} must be > 0 or null")
     kv = self.n_kv_heads
     if kv <= 0 or self.heads % kv:
       raise ConfigError(f"model.kv_heads: {kv} must divide model.heads ({self.heads})")
     if self.head_dim is None and self.hidden % self.heads:
       raise ConfigError(f"model.heads: {self.heads} does not divide model.hidden ({self.hidden}); "
                         "set model.head_dim")
-    if self.dim_per_head % 2:
-      raise ConfigError(f"model.head_dim: {self.dim_per_head} must be even for RoPE")
-    if self.rope_theta <= 0 or self.rope_factor <= 0 or self.norm_eps <= 0:
-      raise ConfigError("model.rope_theta, model.rope_factor and model.norm_eps must be > 0")
+    if not 0 < self.rope_partial <= 1:
+      raise ConfigError(f"model.rope_partial: {self.rope_partial} must be in (0, 1]")
+    if self.mla is None and self.rotary_dim % 2:
+      raise ConfigError(f"model.head_dim: {self.dim_per_head} x rope_partial {self.rope_partial} "
+                        f"= {self.rotary_dim} RoPE channels, which must be even")
+    if self.layer_types is not None:
+      if len(self.layer_types) != self.layers:
+        raise ConfigError(f"model.layer_types: {len(self.layer_types)} entries for "
+                          f"{self.layers} layers")
+      if "sliding" in self.layer_types and self.sliding_window is None:
+        raise ConfigError("model.layer_types: sliding layers need model.sliding_window")
+    if self.rope_scaling == "longrope":
+      half = self.rotary_dim // 2
+      if len(self.rope_short_factor) != half or len(self.rope_long_factor) != half:
+        raise ConfigError(f"model.rope_short_factor / rope_long_factor: longrope needs {half} "
+                          f"values each (half the {self.rotary_dim} RoPE channels), got "
+                          f"{len(self.rope_short_factor)} and {len(self.rope_long_factor)}")
+    if self.moe is not None and self.moe.first_dense_layers > self.layers:
+      raise ConfigError(f"model.moe.first_dense_layers: {self.moe.first_dense_layers} exceeds "
+                        f"model.layers ({self.layers})")
 
   @property
   def n_kv_heads(self) -> int:
@@ -64,6 +186,21 @@ class ModelConfig:
   @property
   def dim_per_head(self) -> int:
     return self.hidden // self.heads if self.head_dim is None else self.head_dim
+
+  @property
+  def rotary_dim(self) -> int:
+    """The RoPE channels of each head (the first ones; the rest pass through)."""
+    if self.mla is not None:
+      return self.mla.qk_rope_dim
+    return int(self.dim_per_head * self.rope_partial)
+
+  def layer_type(self, i: int) -> str:
+    return "full" if self.layer_types is None else self.layer_types[i]
+
+  def is_moe_layer(self, i: int) -> bool:
+    m = self.moe
+    return (m is not None and i >= m.first_dense_layers and i not in m.dense_layers
+            and (i + 1) % m.every == 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +253,7 @@ class EngineConfig:
   device_memory_gb: float | None = None  # device memory the run may use (as on a smaller card); None: 92% of the device
   devices: int | Literal["all"] = "all"  # local devices the step runs on (data-parallel over a Mesh; train.batch splits evenly over them)
   seq_tile: int | None = 16384  # longer sequences run each block's norms, projections and MLP this many tokens at a time (recomputed per tile in the backward); None: the whole sequence at once
+  moe_impl: Literal["auto", "ragged", "dense"] = "auto"  # how a mixture of experts multiplies: ragged (tokens sorted by expert, jax.lax.ragged_dot), dense (every expert on every token, weighted: a reference for tests); auto: ragged
 
   def __post_init__(self):
     _positive(self, "loss_chunk", "inflight_layers")
@@ -227,8 +365,8 @@ class Config:
     return self.optim.decay_steps or self.train.steps
 
 
-def _positive(obj, *names):
-  section = _SECTION_OF.get(type(obj).__name__, "")
+def _positive(obj, *names, section=None):
+  section = _SECTION_OF.get(type(obj).__name__, "") if section is None else section
   for n in names:
     if getattr(obj, n) <= 0:
       raise ConfigError(f"{section}{n}: {getattr(obj, n)} must be > 0")
@@ -245,6 +383,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if value not in typing.get_args(tp):
       raise ConfigError(f"{key}: {value!r} is not one of {list(typing.get_args(tp))}")
     return value
+  if origin is tuple:
+    if not isinstance(value, (list, tuple)):
+      raise ConfigError(f"{key}: expected a list, got {value!r}")
+    item = typing.get_args(tp)[0]
+    return tuple(_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value))
   if origin in (typing.Union, types.UnionType):
     args = typing.get_args(tp)
     if value is None:
@@ -334,32 +477,22 @@ def from_dict(raw: dict) -> Config:
   return _build(Config, raw)
 
 
-def load(path: str | Path | None, overrides: list[str] = ()) -> Config:
-  """Reads YAML (with `base:` files merged first, relative to it), then applies dotted overrides;
-  with `model.from_hf` the model's shape comes from that directory's config.json."""
+def read(path: str | Path | None, overrides: list[str] = ()) -> dict:
+  """The raw config: YAML (with `base:` files merged first, relative to it), then the dotted
+  overrides applied."""
   raw = _read_yaml(Path(path)) if path else {}
-  return from_dict(with_hf_shape(apply_overrides(raw, list(overrides))))
+  return apply_overrides(raw, list(overrides))
 
 
-def with_hf_shape(raw: dict) -> dict:
-  """Fills the model section from `model.from_hf`'s config.json; a shape key the user also set
-  must agree with it."""
+def load(path: str | Path | None, overrides: list[str] = ()) -> Config:
+  """A validated Config from YAML and dotted overrides. `model.from_hf` (whose config.json sets
+  the model) is read by `mtjax.cli.load_config`, which the commands use."""
+  raw = read(path, overrides)
   model = raw.get("model")
-  if not isinstance(model, dict) or not model.get("from_hf"):
-    return raw
-  from mtjax import hf  # noqa: PLC0415 - hf imports this module
-  # Resolved now: the path is stored in the config (and every checkpoint) and must still name the
-  # same directory when an export runs from another working directory.
-  directory = Path(str(model["from_hf"])).expanduser().resolve()
-  try:
-    fields = hf.Checkpoint(directory).model_fields()
-  except (hf.HFError, OSError) as e:
-    raise ConfigError(f"model.from_hf: {e}") from None
-  for k, v in fields.items():
-    if k in model and model[k] != v:
-      raise ConfigError(f"model.{k}: {model[k]!r} differs from {directory}/config.json ({v!r}); "
-                        "leave it out")
-  return {**raw, "model": {**fields, **model, "from_hf": str(directory)}}
+  if isinstance(model, dict) and model.get("from_hf"):
+    raise ConfigError("model.from_hf: load the config with mtjax.cli.load_config, which reads the "
+                      "directory's config.json")
+  return from_dict(raw)
 
 
 def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> dict:
@@ -398,18 +531,14 @@ def _merge(a: dict, b: dict) -> dict:
   return out
 
 
-def parse_cli(parser, argv=None):
-  """Adds --config and dotted overrides to `parser`, parses `argv` and loads the config; a bad
-  config ends the program with exit code 2 and a one-line message. Returns (args, config)."""
-  parser.add_argument("--config", help="YAML config file (default: every setting at its default)")
-  parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=5")
-  args = parser.parse_args(argv)
-  try:
-    return args, load(args.config, args.overrides)
-  except ConfigError as e:
-    print(f"config error: {e}", file=sys.stderr)
-    raise SystemExit(2) from None
-
-
 def to_dict(cfg) -> dict:
-  return dataclasses.asdict(cfg)
+  """The config as plain YAML/JSON values (tuples as lists), readable back by `from_dict`."""
+  return _plain(dataclasses.asdict(cfg))
+
+
+def _plain(x):
+  if isinstance(x, dict):
+    return {k: _plain(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_plain(v) for v in x]
+  return x

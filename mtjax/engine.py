@@ -35,11 +35,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtjax import model
+from mtjax import models
 from mtjax.config import Config, ModelConfig
 from mtjax.data import Batch
+from mtjax.models.layers import Ctx, token_nll
 from mtjax.optimizer import clip_scale
-from mtjax.state import Layout, layouts
 from mtjax.store import LayerStore
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -47,11 +47,15 @@ DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 @dataclasses.dataclass(frozen=True)
 class LayerFns:
-  """Pure functions of one layer's flat fp32 weights; the engine jits each once per layer kind."""
+  """Pure functions of one layer's flat fp32 weights; the engine jits each once per layer kind.
+
+  A block returns its output and its auxiliary sums (a mixture of experts' router statistics;
+  empty for a dense block); its backward takes their cotangent beside the output's.
+  """
   embed_fwd: callable  # (w, tokens_BxT) -> x_BxTxD
   embed_bwd: callable  # (tokens_BxT, dx_BxTxD) -> g_w
-  block_fwd: callable  # (w, x_BxTxD, ctx) -> y_BxTxD
-  block_bwd: callable  # (w, x_BxTxD, ctx, dy_BxTxD) -> (dx_BxTxD, g_w, |g_w|^2)
+  block_fwd: dict  # kind -> (w, x_BxTxD, ctx) -> (y_BxTxD, aux)
+  block_bwd: dict  # kind -> (w, x_BxTxD, ctx, dy_BxTxD, daux) -> (dx_BxTxD, g_w, |g_w|^2)
   head_step: callable  # (w_head, w_table | None, x_BxTxD, targets_BxT, weights_BxT) -> (loss, dx, g_head, g_table)
 
 
@@ -70,57 +74,72 @@ def _unmicro(x, strided=True):
   return (jnp.swapaxes(x, 0, 1) if strided else x).reshape((-1,) + x.shape[2:])
 
 
-def layer_fns(cfg: ModelConfig, lays: dict[str, Layout], compute_dtype, micro_batch: int | None,
-              loss_chunk: int, attention: str | None = None, devices: int = 1,
-              seq_tile: int | None = None, strided: bool | None = None) -> LayerFns:
-  """The layer functions; `micro_batch` counts sequences per chunk on each of `devices`,
-  `seq_tile` tokens per tile of a block's per-token work (see model.Block). `strided` (default:
-  several devices) splits micro-batches and loss chunks so that each spans every device."""
+def layer_fns(spec: models.ModelSpec, compute_dtype, micro_batch: int | None, loss_chunk: int,
+              attention: str | None = None, devices: int = 1, seq_tile: int | None = None,
+              strided: bool | None = None, moe_impl: str = "ragged") -> LayerFns:
+  """The layer functions of every kind of `spec`'s model; `micro_batch` counts sequences per chunk
+  on each of `devices`, `seq_tile` tokens per tile of a block's per-token work (see
+  models.layers.Block). `strided` (default: several devices) splits micro-batches and loss chunks
+  so that each spans every device."""
   cd = compute_dtype
+  cfg = spec.cfg
+  lays = spec.layouts
   strided = devices > 1 if strided is None else strided
-  block = model.Block(cfg, attention, seq_tile)
-  head = model.Head(cfg)
+  embed = spec.embed(cd)
+  head = spec.head()
   if lays["embed"].paths != (("table",),):
     raise AssertionError("embedding layout must be the table alone")
 
   def embed_fwd(w, tokens_BxT):
-    return jnp.take(w.astype(cd).reshape(cfg.vocab_size, cfg.hidden), tokens_BxT, axis=0)
+    return embed.apply({"params": lays["embed"].unflatten(w)}, tokens_BxT)
 
   def embed_bwd(tokens_BxT, dx_BxTxD):
     # Scatter-add in fp32: a frequent token sums many rows, which bf16 would round away.
     g_VxD = jnp.zeros((cfg.vocab_size, cfg.hidden), jnp.float32)
-    g_VxD = g_VxD.at[tokens_BxT.reshape(-1)].add(dx_BxTxD.reshape(-1, cfg.hidden).astype(jnp.float32))
+    dx = dx_BxTxD.reshape(-1, cfg.hidden).astype(jnp.float32) * embed.scale
+    g_VxD = g_VxD.at[tokens_BxT.reshape(-1)].add(dx)
     return g_VxD.reshape(-1)
-
-  def apply_block(wc, x, ctx):
-    return block.apply({"params": lays["block"].unflatten(wc)}, x, ctx)
 
   def n_micro(x):
     return 1 if micro_batch is None else x.shape[0] // (micro_batch * devices)
 
-  def block_fwd(w, x_BxTxD, ctx):
-    wc = w.astype(cd)
-    n = n_micro(x_BxTxD)
-    if n == 1:
-      return apply_block(wc, x_BxTxD, ctx)
-    split = lambda a: _micro(a, n, strided)
-    y = jax.lax.map(lambda xs: apply_block(wc, *xs), (split(x_BxTxD), jax.tree.map(split, ctx)))
-    return _unmicro(y, strided)
+  def block_fns(kind):
+    block = spec.block(kind, attention, seq_tile, moe_impl)
+    lay = lays[kind]
 
-  def block_bwd(w, x_BxTxD, ctx, dy_BxTxD):
-    wc = w.astype(cd)
-    n = n_micro(x_BxTxD)
+    def apply_block(wc, x, ctx):
+      return block.apply({"params": lay.unflatten(wc)}, x, ctx)
 
-    def one(acc, xs):
-      xm, cm, dym = xs
-      _, pullback = jax.vjp(lambda wc, xm: apply_block(wc, xm, cm), wc, xm)  # re-materialises the forward
-      g, dxm = pullback(dym)
-      return acc + g.astype(jnp.float32), dxm
+    def block_fwd(w, x_BxTxD, ctx):
+      wc = w.astype(cd)
+      n = n_micro(x_BxTxD)
+      if n == 1:
+        return apply_block(wc, x_BxTxD, ctx)
+      split = lambda a: _micro(a, n, strided)
+      y, aux = jax.lax.map(lambda xs: apply_block(wc, *xs),
+                           (split(x_BxTxD), jax.tree.map(split, ctx)))
+      return _unmicro(y, strided), jax.tree.map(lambda a: a.sum(0), aux)
 
-    split = lambda a: _micro(a, n, strided)
-    g, dx = jax.lax.scan(one, jnp.zeros(w.shape, jnp.float32),
-                         (split(x_BxTxD), jax.tree.map(split, ctx), split(dy_BxTxD)))
-    return _unmicro(dx, strided), g, jnp.sum(g * g)
+    def block_bwd(w, x_BxTxD, ctx, dy_BxTxD, daux):
+      wc = w.astype(cd)
+      n = n_micro(x_BxTxD)
+
+      def one(acc, xs):
+        xm, cm, dym = xs
+        # re-materialises the forward; the auxiliary sums add over micro-batches, so each one's
+        # cotangent is the total's
+        _, pullback = jax.vjp(lambda wc, xm: apply_block(wc, xm, cm), wc, xm)
+        g, dxm = pullback((dym, daux))
+        return acc + g.astype(jnp.float32), dxm
+
+      split = lambda a: _micro(a, n, strided)
+      g, dx = jax.lax.scan(one, jnp.zeros(w.shape, jnp.float32),
+                           (split(x_BxTxD), jax.tree.map(split, ctx), split(dy_BxTxD)))
+      return _unmicro(dx, strided), g, jnp.sum(g * g)
+
+    return block_fwd, block_bwd
+
+  fns = {kind: block_fns(kind) for kind in spec.kinds}
 
   def head_step(w_head, w_table, x_BxTxD, targets_BxT, weights_BxT):
     """Weighted loss sum and gradients, one chunk of about `loss_chunk` tokens at a time.
@@ -139,7 +158,7 @@ def layer_fns(cfg: ModelConfig, lays: dict[str, Layout], compute_dtype, micro_ba
     def chunk_loss(wh, wt, x_CxD, t_C, wt_C):
       table = None if wt is None else wt.astype(cd).reshape(cfg.vocab_size, D)
       logits_CxV = head.apply({"params": lays["head"].unflatten(wh.astype(cd))}, x_CxD, table)
-      return jnp.sum(model.token_nll(logits_CxV, t_C) * wt_C)
+      return jnp.sum(token_nll(logits_CxV, t_C) * wt_C)
 
     grad_fn = jax.value_and_grad(chunk_loss, argnums=(0, 1, 2))
 
@@ -155,7 +174,8 @@ def layer_fns(cfg: ModelConfig, lays: dict[str, Layout], compute_dtype, micro_ba
     dx = _unmicro(dx, strided)[:N].reshape(B, T, D)
     return jnp.sum(losses), dx, gh, gt
 
-  return LayerFns(embed_fwd, embed_bwd, block_fwd, block_bwd, head_step)
+  return LayerFns(embed_fwd, embed_bwd, {k: f for k, (f, _) in fns.items()},
+                  {k: b for k, (_, b) in fns.items()}, head_step)
 
 
 # From this sequence length on, `auto` takes the blockwise attention over XLA's, whose [T x T]
@@ -170,10 +190,16 @@ def attention_impl(choice: str, device: jax.Device, compute_dtype: str, cfg: Mod
   elsewhere XLA's attention for short sequences, the blockwise one (mtjax.attention) for long."""
   if choice != "auto":
     return choice
-  hd = cfg.dim_per_head
-  if device.platform == "gpu" and compute_dtype == "bfloat16" and hd % 8 == 0 and hd <= 128:
+  _, hd, hv = models.spec(cfg).attention_widths
+  if (device.platform == "gpu" and compute_dtype == "bfloat16" and hd == hv and hd % 8 == 0
+      and hd <= 128):
     return "cudnn"
   return "blockwise" if seq >= BLOCKWISE_FROM_SEQ else "xla"
+
+
+def moe_impl(choice: str, device: jax.Device) -> str:
+  """`auto`: tokens sorted by expert through jax.lax.ragged_dot."""
+  return "ragged" if choice == "auto" else choice
 
 
 @dataclasses.dataclass
@@ -194,6 +220,22 @@ class StepStats:
   backward_s: float = 0.0
   finish_s: float = 0.0
   device_wait_s: float = 0.0
+  # The auxiliary loss (in the gradient, not in `loss`) and what a mixture of experts reports:
+  # aux_loss, expert_tokens_min / _max (tokens an expert got, over experts and layers), dropped.
+  aux: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class _Forward:
+  """What the forward leaves for the backward (device arrays)."""
+  loss: jax.Array  # the head's weighted cross-entropy
+  dx: jax.Array  # its gradient with respect to the last block's output
+  head_grads: tuple  # (head weights', tied table's or None)
+  saved: list  # each block's kept input (None: re-computed from its segment's first)
+  keep: dict  # group index -> weights on the device the backward reuses
+  aux_loss: jax.Array = 0.0  # the model's auxiliary loss
+  aux_metrics: dict = dataclasses.field(default_factory=dict)
+  daux: list = dataclasses.field(default_factory=list)  # d aux_loss / d each block's sums
 
 
 @dataclasses.dataclass
@@ -201,7 +243,7 @@ class _Inputs:
   tokens: jax.Array  # [B, T] int32 on the device
   targets: jax.Array  # [B, T] int32
   weights: jax.Array  # [B, T] fp32: each target's share of the loss (they sum to 1)
-  ctx: model.Ctx
+  ctx: Ctx
 
 
 # ---- clip policies: what happens to each gradient the backward produces --------------------------
@@ -318,8 +360,10 @@ class Engine:
     self.on_host = e.activations_on_host(cfg.model.layers)
     self.attention = attention_impl(e.attention, self.device, e.compute_dtype, cfg.model,
                                     cfg.train.seq)
-    fns = layer_fns(cfg.model, store.layouts, DTYPES[e.compute_dtype], e.micro_batch,
-                    e.loss_chunk, self.attention, len(store.devices), e.seq_tile)
+    self.spec = store.spec
+    self.moe_impl = moe_impl(e.moe_impl, self.device)
+    fns = layer_fns(self.spec, DTYPES[e.compute_dtype], e.micro_batch, e.loss_chunk,
+                    self.attention, len(store.devices), e.seq_tile, moe_impl=self.moe_impl)
     self.fns = fns
 
     def jit(fn, **kw):
@@ -330,10 +374,16 @@ class Engine:
 
     self._embed_fwd = jit(fns.embed_fwd)
     self._embed_bwd = jit(fns.embed_bwd)
-    self._block_fwd = jit(fns.block_fwd)
+    # One executable per layer kind, whichever layer's weights it is called with.
+    self._block_fwd = {k: jit(f) for k, f in fns.block_fwd.items()}
     # The incoming cotangent dies here: its buffer becomes the outgoing one.
-    self._block_bwd = jit(fns.block_bwd, donate_argnums=(3,))
-    self._block_bwd_keep = jit(fns.block_bwd)  # norm-only pass of clip_mode=recompute
+    self._block_bwd = {k: jit(f, donate_argnums=(3,)) for k, f in fns.block_bwd.items()}
+    # norm-only pass of clip_mode=recompute
+    self._block_bwd_keep = {k: jit(f) for k, f in fns.block_bwd.items()}
+    self._kinds = [g.kind for g in store.groups]  # each group's layer kind
+    # The model's auxiliary loss (a mixture's load balance) from the blocks' sums, its gradient
+    # with respect to them (each block's backward takes its share) and its metrics.
+    self._aux = jax.jit(lambda sums: jax.value_and_grad(self.spec.aux_loss, has_aux=True)(sums))
     self._head = jit(fns.head_step)
     self._sumsq = jax.jit(lambda g: jnp.sum(g * g))
     self._add = jax.jit(jnp.add)
@@ -406,7 +456,7 @@ class Engine:
     pos = getattr(batch, "positions", None)
     seg = getattr(batch, "segments", None)
     put = lambda a: self._split(np.asarray(a, np.int32))
-    ctx = model.Ctx(put(np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)) if pos is None else pos),
+    ctx = Ctx(put(np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)) if pos is None else pos),
                     None if seg is None else put(seg))
     return _Inputs(put(batch.inputs), put(batch.targets),
                    self._split(weights), ctx)
@@ -418,9 +468,8 @@ class Engine:
 
   # ---- the step --------------------------------------------------------------------------------
 
-  def _forward(self, inp: _Inputs):
-    """Runs embedding, blocks and head; returns (loss, dx, head grads, saved inputs, weights the
-    backward's commits can reuse)."""
+  def _forward(self, inp: _Inputs, aux: bool = True) -> "_Forward":
+    """Runs embedding, blocks and head (and, with `aux`, the auxiliary loss of the blocks' sums)."""
     store = self.store
     L = len(store.blocks)
     self._phase = "fwd"
@@ -429,7 +478,7 @@ class Engine:
     w_next = self._fetch(1)  # issued before the embedding kernel so the copy overlaps it
     x = self._embed_fwd(w_embed, inp.tokens)
     self._observe("compute", 0, x)
-    saved = []
+    saved, sums = [], []
     every = self.cfg.engine.activations_every
     for i in range(L):
       w_cur, w_next = w_next, self._fetch(i + 2)
@@ -437,17 +486,20 @@ class Engine:
         saved.append(None)
       else:
         saved.append(store.to_host(x) if i // every < self.on_host else x)
-      x = self._block_fwd(w_cur, x, inp.ctx)
+      x, block_sums = self._block_fwd[self._kinds[i + 1]](w_cur, x, inp.ctx)
+      sums.append(block_sums)
       self._observe("compute", i + 1, x)
       self._ready(x)
     tied = w_embed if self.cfg.model.tie_embeddings else None
     loss, dx, g_head, g_table = self._head(w_next, tied, x, inp.targets, inp.weights)
     self._observe("compute", L + 1, loss)
-    keep = {L + 1: w_next, 0: w_embed}
-    return loss, dx, (g_head, g_table), saved, keep
+    out = _Forward(loss, dx, (g_head, g_table), saved, {L + 1: w_next, 0: w_embed},
+                   daux=[{} for _ in sums])
+    if aux and self.spec.has_aux:
+      (out.aux_loss, out.aux_metrics), out.daux = self._aux(sums)
+    return out
 
-  def _backward(self, saved, dx, inp: _Inputs, head_grads, keep, emit, last_pass: bool,
-                update: bool):
+  def _backward(self, fwd: "_Forward", inp: _Inputs, emit, last_pass: bool, update: bool):
     """Walks the blocks in reverse; calls emit(group index, device gradient, device |g|^2, device
     weights or None) for the head, each block and the embedding, in that order.
 
@@ -458,7 +510,8 @@ class Engine:
     bwd = self._block_bwd if last_pass else self._block_bwd_keep
     self._inflight.clear()
     self._phase = "bwd"
-    g_head, g_table = head_grads
+    saved, dx, keep, kinds = fwd.saved, fwd.dx, fwd.keep, self._kinds
+    g_head, g_table = fwd.head_grads
     if update:
       store.prefetch(L + 1)
     emit(L + 1, g_head, self._sumsq(g_head), keep[L + 1])
@@ -477,7 +530,7 @@ class Engine:
         saved[s] = None
       for t in range(s, i):
         inputs[t] = x
-        x = self._block_fwd(self._fetch(t + 1), x, inp.ctx)
+        x, _ = self._block_fwd[kinds[t + 1]](self._fetch(t + 1), x, inp.ctx)
       return x
 
     if L:
@@ -490,7 +543,7 @@ class Engine:
         w_next, x_next = self._fetch(i), take(i - 1)
       if update:
         store.prefetch(i)
-      dx, g, sq = bwd(w_cur, x_cur, inp.ctx, dx)
+      dx, g, sq = bwd[kinds[i + 1]](w_cur, x_cur, inp.ctx, dx, fwd.daux[i])
       del x_cur
       self._observe("compute", i + 1, sq)
       emit(i + 1, g, sq, w_cur)
@@ -509,32 +562,31 @@ class Engine:
     store = self.store
     store.wait_s, self._device_wait = 0.0, 0.0
     inp = self._inputs(batch)
-    loss, dx, head_grads, saved, keep = self._forward(inp)
+    fwd = self._forward(inp)
     t_fwd = time.perf_counter()
-    clip = _clip_policy(self, loss)
+    clip = _clip_policy(self, self._add(fwd.loss, fwd.aux_loss) if self.spec.has_aux else fwd.loss)
     for applying in clip.passes:
-      self._backward(saved, dx, inp, head_grads, keep, clip.sink(applying),
-                     last_pass=applying, update=applying)
+      self._backward(fwd, inp, clip.sink(applying), last_pass=applying, update=applying)
       if not applying:
         clip.between_passes()
     t_bwd = time.perf_counter()
     norm = clip.finish()  # the step's one read of device scalars: waits for the backward to end
-    loss = float(loss)
+    loss = float(fwd.loss)
+    aux = {k: float(v) for k, v in jax.device_get(fwd.aux_metrics).items()}
     t_end = time.perf_counter()
     lr = store.rule.lr(store.step)
     store.end_step()  # a skipped step still counts: batches and the schedule follow the step
     return StepStats(store.step, loss, norm, lr, t_end - t0, store.wait_s,
                      int(np.prod(batch.inputs.shape)), clip.skipped(), t_fwd - t0, t_bwd - t_fwd,
-                     t_end - t_bwd, self._device_wait)
+                     t_end - t_bwd, self._device_wait, aux)
 
   def forward_backward(self, batch: Batch, sink) -> jax.Array:
     """Streams a forward and a backward without updating anything: `sink(group index, device
     gradient, device |g|^2)` gets each group's gradient, head first. Returns the device loss."""
     inp = self._inputs(batch)
-    loss, dx, head_grads, saved, keep = self._forward(inp)
-    self._backward(saved, dx, inp, head_grads, keep, lambda idx, g, s, w: sink(idx, g, s),
-                   last_pass=True, update=False)
-    return loss
+    fwd = self._forward(inp)
+    self._backward(fwd, inp, lambda idx, g, s, w: sink(idx, g, s), last_pass=True, update=False)
+    return self._add(fwd.loss, fwd.aux_loss) if self.spec.has_aux else fwd.loss
 
   def evaluate(self, batches) -> float:
     """Loss over the targets of several batches (held-out data), no gradient kept, no update:
@@ -545,7 +597,7 @@ class Engine:
       w = float(np.prod(b.inputs.shape)) if lw is None else float(np.sum(lw, dtype=np.float64))
       if w <= 0:
         continue
-      loss = self._forward(self._inputs(b))[0]  # the head's gradient work is the price of reuse
+      loss = self._forward(self._inputs(b), aux=False).loss  # the head's gradient work is the price of reuse
       total += float(loss) * w
       weight += w
     if weight == 0:
@@ -576,28 +628,31 @@ def compiled_memory(cfg: Config, device: jax.Device | None = None, devices: int 
   device = device or jax.local_devices()[0]
   e, m, t = cfg.engine, cfg.model, cfg.train
   key = (m, e.compute_dtype, e.micro_batch, e.loss_chunk, e.attention, e.matmul_precision,
-         e.seq_tile, t.batch, t.seq, devices, device)
+         e.seq_tile, e.moe_impl, t.batch, t.seq, devices, device)
   if key in _COMPILED_MEMORY:  # placement does not change the layer executables
     return _COMPILED_MEMORY[key]
-  lays = layouts(m)
+  spec = models.spec(m)
+  lays = spec.layouts
   cd = DTYPES[e.compute_dtype]
-  fns = layer_fns(m, lays, cd, e.micro_batch, e.loss_chunk,
+  fns = layer_fns(spec, cd, e.micro_batch, e.loss_chunk,
                   attention_impl(e.attention, device, e.compute_dtype, m, t.seq), 1, e.seq_tile,
-                  strided=devices > 1)
+                  strided=devices > 1, moe_impl=moe_impl(e.moe_impl, device))
   sh = jax.sharding.SingleDeviceSharding(device)
   S = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
   B, T, D = max(1, t.batch // devices), t.seq, m.hidden
   x, tok = S((B, T, D), cd), S((B, T), jnp.int32)
-  ctx = model.Ctx(tok)
+  ctx = Ctx(tok)
   w = {k: S((lay.size,), jnp.float32) for k, lay in lays.items()}
   table = w["embed"] if m.tie_embeddings else None
   calls = {
       "embed forward": (fns.embed_fwd, (w["embed"], tok)),
-      "block forward": (fns.block_fwd, (w["block"], x, ctx)),
-      "block backward": (fns.block_bwd, (w["block"], x, ctx, x)),
       "head": (fns.head_step, (w["head"], table, x, tok, S((B, T), jnp.float32))),
       "embed backward": (fns.embed_bwd, (tok, x)),
   }
+  for kind in spec.kinds:
+    _, daux = jax.eval_shape(fns.block_fwd[kind], w[kind], x, ctx)
+    calls[f"{kind} forward"] = (fns.block_fwd[kind], (w[kind], x, ctx))
+    calls[f"{kind} backward"] = (fns.block_bwd[kind], (w[kind], x, ctx, x, daux))
   out = {}
   for name, (fn, args) in calls.items():
     def with_precision(*a, fn=fn):

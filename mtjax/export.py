@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import orbax.checkpoint as ocp
 
-from mtjax import checkpoint, config as config_lib, hf, state as state_lib
+from mtjax import checkpoint, config as config_lib, hf
 
 
 def checkpoint_groups(path: Path, names: list[str]):
@@ -52,10 +52,9 @@ def export_checkpoint(path: str | Path, out: str | Path, dtype: str = "bfloat16"
     raise ValueError(f"checkpoint {path}: no config recorded (saved by an older mtjax)")
   # The model section as trained: from_hf is not re-read (its shape is recorded already).
   cfg = config_lib.from_dict(raw)
-  lays = state_lib.layouts(cfg.model)
   names = [g[0] for g in meta["groups"]]
   src = source_of(path, cfg.model.from_hf, source)
-  return hf.export(out, cfg.model, lays, checkpoint_groups(path, names), dtype, src)
+  return hf.export(out, cfg.model, checkpoint_groups(path, names), dtype, src)
 
 
 def main(argv=None) -> int:

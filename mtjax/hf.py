@@ -1,10 +1,11 @@
-"""Hugging Face checkpoints in and out: Llama, Mistral, Qwen2 and Qwen3 safetensors directories.
+"""Hugging Face checkpoints in and out, for every registered model family (mtjax.models).
 
 Import reads one tensor at a time through a memory map of its shard and writes it, widened to fp32
-and transposed where flax keeps [in, out], straight into the caller's flat group vector: beside the
-final state, the host holds at most a bounded slice of one tensor. Export streams the other way,
-one group at a time, into size-capped shards, and renames a finished temporary directory into
-place so that an output directory is complete or absent.
+and transposed where flax keeps [in, out], straight into the caller's flat group vector, as the
+family's tensor map (`Piece`s) places it: beside the final state, the host holds at most a bounded
+slice of one tensor. Export streams the other way, one group at a time, into size-capped shards,
+and renames a finished temporary directory into place so that an output directory is complete or
+absent.
 
 The safetensors format is read and written here directly (8-byte little-endian header length, a
 JSON header of dtype, shape and data_offsets per tensor, then the data) because numpy has no
@@ -24,25 +25,15 @@ from pathlib import Path
 
 import numpy as np
 
+from mtjax import models
 from mtjax.config import ModelConfig
-from mtjax.state import Layout
+from mtjax.models import FamilyError, Piece
 
 
 class HFError(ValueError):
   """A Hugging Face checkpoint or config that mtjax cannot use; the message names what and where."""
 
 
-ARCHITECTURES = {  # architecture -> model_type, the four families mtjax computes exactly
-    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-}
-# Values transformers assumes when config.json omits a key (save_pretrained drops some defaults).
-_DEFAULTS = {
-    "llama": dict(rms_norm_eps=1e-6, tie_word_embeddings=False),
-    "mistral": dict(rms_norm_eps=1e-6, tie_word_embeddings=False),
-    "qwen2": dict(rms_norm_eps=1e-6, tie_word_embeddings=False),
-    "qwen3": dict(rms_norm_eps=1e-6, tie_word_embeddings=False, head_dim=128),
-}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "added_tokens.json", "vocab.json", "vocab.txt",
                    "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
@@ -51,185 +42,34 @@ _EXPORT_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 CHUNK = 1 << 22  # elements converted at a time: bounds the temporaries of a bf16 or transposed copy
 
 
-# ----------------------------------------------------------------------------- config.json
-
-
 def model_fields(config: dict, source: str = "config.json") -> dict:
-  """ModelConfig keyword arguments from a parsed Hugging Face config.json.
-
-  Args:
-    config: the parsed config.json.
-    source: how error messages name the file.
-
-  Returns:
-    A dict for `ModelConfig(**fields)`; raises HFError on anything mtjax would compute differently.
-  """
-  archs = config.get("architectures") or []
-  if len(archs) != 1 or archs[0] not in ARCHITECTURES:
-    raise HFError(f"{source}: architectures {archs} unsupported; supported: "
-                  f"{', '.join(ARCHITECTURES)}")
-  family = ARCHITECTURES[archs[0]]
-  c = {**_DEFAULTS[family], **config}
-
-  def get(key):
-    if c.get(key) is None:
-      raise HFError(f"{source}: required key {key!r} missing")
-    return c[key]
-
-  def refuse(key, why):
-    raise HFError(f"{source}: {key}={c.get(key)!r} unsupported ({why})")
-
-  if c.get("hidden_act", "silu") != "silu":
-    refuse("hidden_act", "mtjax's MLP is SwiGLU with silu")
-  if c.get("mlp_bias"):
-    refuse("mlp_bias", "mtjax's MLP has no biases")
-  if family in ("llama", "qwen3") and c.get("attention_bias"):
-    refuse("attention_bias", "it also puts a bias on o_proj, which mtjax lacks")
-  if family == "mistral" and c.get("sliding_window") is not None:
-    refuse("sliding_window", "mtjax attends to the whole context")
-  if family in ("qwen2", "qwen3") and c.get("use_sliding_window"):
-    refuse("use_sliding_window", "mtjax attends to the whole context")
-  if any(t != "full_attention" for t in c.get("layer_types") or ()):
-    refuse("layer_types", "mtjax attends to the whole context in every layer")
-
-  hidden, heads = get("hidden_size"), get("num_attention_heads")
-  head_dim = c.get("head_dim") or hidden // heads
-  fields = dict(
-      vocab_size=get("vocab_size"), hidden=hidden, layers=get("num_hidden_layers"), heads=heads,
-      kv_heads=c.get("num_key_value_heads") or heads,
-      head_dim=None if head_dim * heads == hidden else head_dim,
-      ffn=get("intermediate_size"), tie_embeddings=bool(c["tie_word_embeddings"]),
-      qkv_bias=family == "qwen2", qk_norm=family == "qwen3", norm_eps=float(c["rms_norm_eps"]))
-  fields.update(_rope_fields(c, source))
-  return fields
+  """ModelConfig keyword arguments (the family included) from a parsed config.json; HFError on
+  an architecture or option no family computes as transformers does."""
+  try:
+    return models.read_hf_config(config, source)
+  except FamilyError as e:
+    raise HFError(str(e)) from None
 
 
-def _rope_fields(c: dict, source: str) -> dict:
-  # transformers 5 writes `rope_parameters` (theta inside); older files rope_theta, rope_scaling.
-  key = "rope_parameters" if c.get("rope_parameters") is not None else "rope_scaling"
-  rope = c.get(key) or {}
-  if not isinstance(rope, dict):
-    raise HFError(f"{source}: {key}={rope!r} unsupported (expected a dict)")
-  theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
-  kind = rope.get("rope_type", rope.get("type", "default"))
-  if kind == "default":
-    return dict(rope_theta=float(theta), rope_scaling="none")
-
-  def need(k):
-    if rope.get(k) is None:
-      raise HFError(f"{source}: {key} of type {kind!r} lacks {k!r}")
-    return rope[k]
-
-  if kind == "linear":
-    return dict(rope_theta=float(theta), rope_scaling="linear", rope_factor=float(need("factor")))
-  if kind == "llama3":
-    return dict(rope_theta=float(theta), rope_scaling="llama3", rope_factor=float(need("factor")),
-                rope_low_freq_factor=float(need("low_freq_factor")),
-                rope_high_freq_factor=float(need("high_freq_factor")),
-                rope_original_max_len=int(need("original_max_position_embeddings")))
-  raise HFError(f"{source}: {key} rope_type {kind!r} unsupported (default, linear, llama3 only)")
-
-
-def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict:
-  """A config.json for `cfg`: Llama, or Qwen2 with q/k/v biases, or Qwen3 with q/k norms."""
-  if cfg.qkv_bias and cfg.qk_norm:
-    raise HFError("model.qkv_bias with model.qk_norm: no Hugging Face family has both")
-  arch = ("Qwen3ForCausalLM" if cfg.qk_norm else "Qwen2ForCausalLM" if cfg.qkv_bias
-          else "LlamaForCausalLM")
-  rope = {"rope_type": "default"}
-  if cfg.rope_scaling == "linear":
-    rope = {"rope_type": "linear", "factor": cfg.rope_factor}
-  elif cfg.rope_scaling == "llama3":
-    rope = {"rope_type": "llama3", "factor": cfg.rope_factor,
-            "low_freq_factor": cfg.rope_low_freq_factor,
-            "high_freq_factor": cfg.rope_high_freq_factor,
-            "original_max_position_embeddings": cfg.rope_original_max_len}
-  out = {
-      "architectures": [arch], "model_type": ARCHITECTURES[arch],
-      "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden, "intermediate_size": cfg.ffn,
-      "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads,
-      "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.dim_per_head,
-      "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
-      "tie_word_embeddings": cfg.tie_embeddings,
-      # mtjax has no notion of a maximum length; this is only what generation tools read.
-      "max_position_embeddings": cfg.rope_original_max_len * max(1, int(cfg.rope_factor)),
-      # Both spellings: transformers >= 5 reads rope_parameters, older readers rope_theta/scaling.
-      "rope_theta": cfg.rope_theta, "rope_parameters": {**rope, "rope_theta": cfg.rope_theta},
-      "rope_scaling": None if cfg.rope_scaling == "none" else rope,
-      "torch_dtype": dtype,
-  }
-  if arch == "LlamaForCausalLM":
-    out.update(attention_bias=False, mlp_bias=False)
-  else:
-    out.update(use_sliding_window=False, sliding_window=None, attention_bias=False)
-  return out
-
-
-# ----------------------------------------------------------------------------- name mapping
-
-
-@dataclasses.dataclass(frozen=True)
-class Tensor:
-  """One Hugging Face tensor and where it sits in a group's flat vector."""
-  name: str  # e.g. "model.layers.3.self_attn.q_proj.weight"
-  path: tuple[str, ...]  # mtjax parameter path inside the group
-  offset: int  # first element in the flat vector
-  shape: tuple[int, ...]  # Hugging Face shape ([out, in] for a Linear weight)
-  transpose: bool  # flax keeps [in, out]
-
-
-_BLOCK_NAMES = {
-    ("attn", "q_norm", "scale"): "self_attn.q_norm.weight",
-    ("attn", "k_norm", "scale"): "self_attn.k_norm.weight",
-    ("attn_norm", "scale"): "input_layernorm.weight",
-    ("mlp_norm", "scale"): "post_attention_layernorm.weight",
-}
-
-
-def _block_name(path: tuple[str, ...]) -> str | None:
-  if path in _BLOCK_NAMES:
-    return _BLOCK_NAMES[path]
-  if (len(path) == 3 and path[0] == "attn" and path[1] in ("q", "k", "v", "o")
-      and path[2] in ("kernel", "bias")):
-    return f"self_attn.{path[1]}_proj.{'weight' if path[2] == 'kernel' else 'bias'}"
-  if len(path) == 3 and path[0] == "mlp" and path[2] == "kernel":
-    return f"mlp.{path[1]}_proj.weight"
-  return None
-
-
-def tensors(layouts: dict[str, Layout], group: str) -> list[Tensor]:
-  """The Hugging Face tensors of one group ("embed", "block_<i>" or "head"), in layout order."""
-  if group in ("embed", "head"):
-    kind, prefix = group, ""
-  elif group.startswith("block_") and group[6:].isdigit():
-    kind, prefix = "block", f"model.layers.{int(group[6:])}."
-  else:
-    raise HFError(f"group {group!r} unknown (embed, block_<i> or head)")
-  lay = layouts[kind]
-  out = []
-  for path, shape, off in zip(lay.paths, lay.shapes, lay.offsets):
-    name = {("table",): "model.embed_tokens.weight", ("norm", "scale"): "model.norm.weight",
-            ("out",): "lm_head.weight"}.get(path) if kind != "block" else _block_name(path)
-    if name is None:
-      raise HFError(f"{group}: parameter {'/'.join(path)} has no Hugging Face name")
-    transpose = path[-1] == "kernel" or path == ("out",)
-    out.append(Tensor(prefix + name, path, off, tuple(reversed(shape)) if transpose else shape,
-                      transpose))
-  return out
-
-
-def group_names(cfg: ModelConfig) -> list[str]:
-  """The layer groups in forward order: embed, block_0 .. block_{L-1}, head."""
-  return ["embed"] + [f"block_{i}" for i in range(cfg.layers)] + ["head"]
-
-
-def hf_tensors(layouts: dict[str, Layout], group: str, flat: np.ndarray
+def hf_tensors(spec: models.ModelSpec, group: str, flat: np.ndarray
                ) -> Iterator[tuple[str, np.ndarray]]:
   """(Hugging Face name, fp32 array in Hugging Face layout) per tensor of a flat group vector."""
-  for t in tensors(layouts, group):
-    n = int(np.prod(t.shape))
-    arr = np.asarray(flat[t.offset:t.offset + n])
-    yield t.name, (arr.reshape(t.shape[::-1]).T if t.transpose else arr.reshape(t.shape))
+  lay = spec.group_layout(group)
+  params = lay.unflatten(np.asarray(flat, np.float32))
+  tensors: dict[str, np.ndarray] = {}
+  for p in spec.family.pieces(spec.cfg, group, lay):
+    if p.name not in tensors:
+      tensors[p.name] = np.empty(p.shape, np.float32)
+    value = _param(params, p.path)[p.dst] if p.dst else _param(params, p.path)
+    target = tensors[p.name][p.src] if p.src else tensors[p.name]
+    target[...] = np.swapaxes(value, -1, -2) if p.transpose else value
+  yield from tensors.items()
+
+
+def _param(tree: dict, path: tuple[str, ...]):
+  for k in path:
+    tree = tree[k]
+  return tree
 
 
 # ----------------------------------------------------------------------------- import
@@ -260,6 +100,22 @@ def _read_header(path: Path) -> tuple[dict, int]:
   return header, 8 + n
 
 
+class Decoder:
+  """A tensor a checkpoint stores in another form than the weights themselves (MXFP4 blocks and
+  scales, say); families append theirs to DECODERS."""
+
+  def sources(self, checkpoint: "Checkpoint", name: str) -> list[str] | None:
+    """The stored tensors `name` is decoded from, checked; None when this decoder has none."""
+    raise NotImplementedError
+
+  def decode(self, checkpoint: "Checkpoint", name: str) -> np.ndarray:
+    """The fp32 (or bf16 bits) tensor `name`."""
+    raise NotImplementedError
+
+
+DECODERS: list[Decoder] = []
+
+
 class Checkpoint:
   """A Hugging Face model directory opened for reading: config.json and its safetensors shards.
 
@@ -273,6 +129,8 @@ class Checkpoint:
       self.config = json.loads(cfg_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
       raise HFError(f"{cfg_path}: unreadable ({type(e).__name__})") from None
+    if not isinstance(self.config, dict):
+      raise HFError(f"{cfg_path}: not a JSON object")
     index = self.dir / "model.safetensors.index.json"
     if index.exists():
       try:
@@ -305,73 +163,114 @@ class Checkpoint:
 
   def model_fields(self) -> dict:
     """ModelConfig keyword arguments from config.json (see the module-level `model_fields`)."""
+    quant = self.config.get("quantization_config")
+    if isinstance(quant, dict) and quant.get("quant_method") not in (None, "mxfp4"):
+      raise HFError(f"{self.dir / 'config.json'}: quantization_config.quant_method="
+                    f"{quant.get('quant_method')!r} unsupported (mtjax reads bf16, fp16, fp32 and "
+                    f"MXFP4 expert weights)")
     return model_fields(self.config, str(self.dir / "config.json"))
 
-  def check(self, cfg: ModelConfig, layouts: dict[str, Layout]):
-    """Raises HFError unless the tensors are exactly what `cfg` needs, before anything is read.
+  def raw(self, name: str) -> np.ndarray:
+    """A stored tensor as it is on disk (a memory map; bf16 as uint16 bit patterns)."""
+    e = self.entries[name]
+    if e.dtype not in _DTYPES and e.dtype not in ("U8", "I8"):
+      raise HFError(f"{e.file}: tensor {name} has dtype {e.dtype}")
+    np_dtype = _DTYPES[e.dtype][0] if e.dtype in _DTYPES else np.uint8
+    return np.memmap(e.file, dtype=np_dtype, mode="r", offset=e.start, shape=e.shape or (1,))
 
-    Every expected tensor must be present with its shape and a float dtype; nothing else may be
-    left over, except lm_head.weight of a tied model and rotary inv_freq buffers (derived, not
-    weights).
+  def _decoded(self, name: str) -> np.ndarray | None:
+    for d in DECODERS:
+      if d.sources(self, name):
+        return d.decode(self, name)
+    return None
+
+  def check(self, spec: models.ModelSpec):
+    """Raises HFError unless the tensors are exactly what the model needs, before anything is read.
+
+    Every expected tensor must be present with its shape and a float dtype (or decodable, as MXFP4
+    blocks and scales); nothing else may be left over, except lm_head.weight of a tied model and
+    what the family marks as derived buffers.
     """
-    expected = {t.name: t for g in group_names(cfg) for t in tensors(layouts, g)}
-    for name, t in expected.items():
+    expected: dict[str, Piece] = {}
+    for g, _ in spec.groups:
+      for p in spec.family.pieces(spec.cfg, g, spec.group_layout(g)):
+        expected.setdefault(p.name, p)
+    used = set()
+    for name, p in expected.items():
       e = self.entries.get(name)
       if e is None:
+        sources = next((s for d in DECODERS if (s := d.sources(self, name))), None)
+        if sources:
+          used.update(sources)
+          continue
         raise HFError(f"{self.dir}: tensor {name} missing")
       where = f"{e.file}: tensor {name}"
-      if e.shape != t.shape:
-        raise HFError(f"{where} has shape {list(e.shape)}, expected {list(t.shape)}")
+      if e.shape != p.shape:
+        raise HFError(f"{where} has shape {list(e.shape)}, expected {list(p.shape)}")
       if e.dtype not in _DTYPES:
         raise HFError(f"{where} has dtype {e.dtype}, expected one of {', '.join(_DTYPES)}")
       if e.nbytes != int(np.prod(e.shape)) * _DTYPES[e.dtype][1]:
         raise HFError(f"{where} spans {e.nbytes} bytes, which does not fit its shape and dtype")
       if e.start + e.nbytes > e.file.stat().st_size:
         raise HFError(f"{where} extends past the end of the file (truncated?)")
+      used.add(name)
     for name, e in self.entries.items():
-      if name in expected or name.endswith(".rotary_emb.inv_freq"):
+      if name in used or spec.family.ignored(name):
         continue
-      if name == "lm_head.weight" and cfg.tie_embeddings:
+      if name == "lm_head.weight" and spec.cfg.tie_embeddings:
         continue
       raise HFError(f"{e.file}: tensor {name} unexpected for this config")
 
-  def read_group(self, cfg: ModelConfig, layouts: dict[str, Layout], name: str, out: np.ndarray):
+  def read_group(self, spec: models.ModelSpec, name: str, out: np.ndarray):
     """Fills one group's flat fp32 vector from the checkpoint, one tensor at a time, in place.
 
     Args:
-      cfg: the model config (from `model_fields`); call `check` first.
-      layouts: `mtjax.state.layouts(cfg)`.
+      spec: the model spec (`mtjax.models.spec(cfg)`); call `check` first.
       name: "embed", "block_<i>" or "head".
       out: the group's flat fp32 vector, written in place.
     """
-    kind = name if name in ("embed", "head") else "block"
-    if out.shape != (layouts[kind].size,) or out.dtype != np.float32:
-      raise HFError(f"{name}: buffer {out.shape} {out.dtype}, expected "
-                    f"({layouts[kind].size},) float32")
-    for t in tensors(layouts, name):
-      e = self.entries.get(t.name)
-      if e is None or e.shape != t.shape:
-        raise HFError(f"{self.dir}: tensor {t.name} missing or misshapen (run check first)")
-      np_dtype, _ = _DTYPES[e.dtype]
-      src = np.memmap(e.file, dtype=np_dtype, mode="r", offset=e.start, shape=e.shape or (1,))
-      n = int(np.prod(t.shape))
-      dst = out[t.offset:t.offset + n]
-      # Rows of the Hugging Face tensor a few million elements at a time, so the widened (and, for
-      # a Linear weight, transposed) temporary stays small however large the tensor.
-      rows = e.shape[0] if len(e.shape) > 1 else 1
-      src2 = src.reshape(rows, -1)
-      dst2 = dst.reshape(t.shape[::-1]) if t.transpose else dst.reshape(rows, -1)
-      step = max(1, CHUNK // max(1, src2.shape[1]))
-      for r in range(0, rows, step):
-        part = _widen(src2[r:r + step])
-        if t.transpose:
-          dst2[:, r:r + step] = part.T
-        else:
-          dst2[r:r + step] = part
-        del part  # before the next chunk is widened, or two temporaries coexist
+    lay = spec.group_layout(name)
+    if out.shape != (lay.size,) or out.dtype != np.float32:
+      raise HFError(f"{name}: buffer {out.shape} {out.dtype}, expected ({lay.size},) float32")
+    views = lay.unflatten(out)
+    for p in spec.family.pieces(spec.cfg, name, lay):
+      if p.name in self.entries:
+        e = self.entries[p.name]
+        if e.shape != p.shape:
+          raise HFError(f"{self.dir}: tensor {p.name} misshapen (run check first)")
+        src = self.raw(p.name)
+      else:
+        src = self._decoded(p.name)
+        if src is None:
+          raise HFError(f"{self.dir}: tensor {p.name} missing (run check first)")
+      if p.src:
+        src = src[p.src]
+      dst = _param(views, p.path)
+      dst = dst[p.dst] if p.dst else dst
+      _copy(src, dst, p.transpose)
+
+
+def _copy(src: np.ndarray, dst: np.ndarray, transpose: bool):
+  """dst[...] = widened src (its last two axes swapped if `transpose`), a few million elements at
+  a time along src's first axis, so the widened (and transposed) temporary stays small."""
+  if src.ndim < 2:
+    dst[...] = _widen(src).reshape(dst.shape)
+    return
+  rows = src.shape[0]
+  step = max(1, CHUNK // max(1, int(np.prod(src.shape[1:]))))
+  for r in range(0, rows, step):
+    part = _widen(src[r:r + step])
+    if transpose and src.ndim == 2:  # a Linear's [out, in] rows are dst's columns
+      dst[:, r:r + step] = part.T
+    elif transpose:
+      dst[r:r + step] = np.swapaxes(part, -1, -2)
+    else:
+      dst[r:r + step] = part
+    del part  # before the next chunk is widened, or two temporaries coexist
 
 
 def _widen(part: np.ndarray) -> np.ndarray:
+  part = np.asarray(part)
   if part.dtype == np.uint16:  # bf16 is the top half of an fp32
     wide = part.astype(np.uint32)
     wide <<= 16  # in place: one temporary, not two
@@ -409,22 +308,20 @@ def _write_safetensors(path: Path, items: list[tuple[str, str, np.ndarray]]):
 MAX_SHARD_BYTES = 5 << 30  # tensor bytes per exported shard (held in memory until written)
 
 
-def export(out_dir: str | os.PathLike, cfg: ModelConfig, layouts: dict[str, Layout],
-           groups: Iterable[tuple[str, np.ndarray]], dtype: str = "bfloat16",
-           source_dir: str | os.PathLike | None = None, max_shard_bytes: int = MAX_SHARD_BYTES
-           ) -> Path:
+def export(out_dir: str | os.PathLike, cfg: ModelConfig, groups: Iterable[tuple[str, np.ndarray]],
+           dtype: str = "bfloat16", source_dir: str | os.PathLike | None = None,
+           max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
   """Writes a Hugging Face model directory from flat fp32 groups, streamed one group at a time.
 
   Args:
     out_dir: the directory to create; it must not exist or be empty. It appears complete or not
       at all (written under a temporary name beside it, then renamed).
     cfg: the model config.
-    layouts: `mtjax.state.layouts(cfg)`.
     groups: (group name, flat fp32 vector) in the order embed, block_0 .. block_{L-1}, head;
       consumed one at a time.
     dtype: "bfloat16" (rounded to nearest even), "float16" or "float32".
     source_dir: a Hugging Face directory whose config.json (dtype updated) and tokenizer files are
-      kept; None writes a Llama, Qwen2 or Qwen3 config.json from `cfg`.
+      kept; None writes the family's config.json for `cfg`.
     max_shard_bytes: the most tensor bytes per shard (a larger single tensor gets its own shard).
 
   Returns:
@@ -438,12 +335,12 @@ def export(out_dir: str | os.PathLike, cfg: ModelConfig, layouts: dict[str, Layo
   out_dir = Path(out_dir).absolute()
   if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
     raise HFError(f"{out_dir}: exists and is not an empty directory")
+  spec = models.spec(cfg)
   config = _export_config(cfg, dtype, source_dir)
   tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
   tmp.mkdir(parents=True)
   try:
-    shards, weight_map, total = _write_shards(tmp, cfg, layouts, groups, st_dtype,
-                                              max_shard_bytes)
+    shards, weight_map, total = _write_shards(tmp, spec, groups, st_dtype, max_shard_bytes)
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if len(shards) == 1:  # Hugging Face's own convention: one file, no index
       shards[0].rename(tmp / "model.safetensors")
@@ -475,27 +372,36 @@ def copy_source_files(source_dir: str | os.PathLike, dest: str | os.PathLike, co
       shutil.copy2(Path(source_dir) / f, dest / f)
 
 
+_NOT_ARCHITECTURE = ("family", "from_hf", "init_std")  # fields a config.json need not carry
+
+
 def _export_config(cfg: ModelConfig, dtype: str, source_dir) -> dict:
+  """The exported config.json: the source's (its dtype updated) or the family's, either checked to
+  read back as `cfg` (transformers would otherwise compute another model from the weights)."""
   src = Path(source_dir) / "config.json" if source_dir is not None else None
   if src is None or not src.is_file():
-    return hf_config(cfg, dtype)
-  try:
-    config = json.loads(src.read_text())
-  except (OSError, json.JSONDecodeError) as e:
-    raise HFError(f"{src}: unreadable ({type(e).__name__})") from None
-  # The source's config is kept verbatim, so it must describe the weights being written.
-  fields = model_fields(config, str(src))
+    family = models.get(cfg.family)
+    config = family.write_config(cfg, dtype)
+    where = f"the {family.name} family's config.json"
+  else:
+    try:
+      config = json.loads(src.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+      raise HFError(f"{src}: unreadable ({type(e).__name__})") from None
+    keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]
+    config.update({k: dtype for k in keys})
+    where = str(src)
+  fields = model_fields(config, where)
   for key, value in fields.items():
-    if getattr(cfg, key) != value:
-      raise HFError(f"{src}: gives model.{key}={value!r}, the weights have {getattr(cfg, key)!r}")
-  keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]
-  config.update({k: dtype for k in keys})
+    if key not in _NOT_ARCHITECTURE and getattr(cfg, key) != value:
+      raise HFError(f"{where}: gives model.{key}={value!r}, the weights have "
+                    f"{getattr(cfg, key)!r}")
   return config
 
 
-def _write_shards(tmp: Path, cfg: ModelConfig, layouts: dict[str, Layout],
-                  groups: Iterable[tuple[str, np.ndarray]], st_dtype: str, max_shard_bytes: int):
-  expected = group_names(cfg)
+def _write_shards(tmp: Path, spec: models.ModelSpec, groups: Iterable[tuple[str, np.ndarray]],
+                  st_dtype: str, max_shard_bytes: int):
+  expected = [g for g, _ in spec.groups]
   shards: list[Path] = []
   weight_map: dict[str, int] = {}
   pending: list[tuple[str, str, np.ndarray]] = []
@@ -516,21 +422,19 @@ def _write_shards(tmp: Path, cfg: ModelConfig, layouts: dict[str, Layout],
     if seen >= len(expected) or name != expected[seen]:
       want = expected[seen] if seen < len(expected) else "nothing (all groups written)"
       raise HFError(f"export: got group {name!r}, expected {want}")
-    kind = name if name in ("embed", "head") else "block"
-    if np.shape(flat) != (layouts[kind].size,):
-      raise HFError(f"export: group {name} has shape {np.shape(flat)}, expected "
-                    f"({layouts[kind].size},)")
+    size = spec.group_layout(name).size
+    if np.shape(flat) != (size,):
+      raise HFError(f"export: group {name} has shape {np.shape(flat)}, expected ({size},)")
     seen += 1
-    for tname, arr in hf_tensors(layouts, name, np.asarray(flat, np.float32)):
+    for tname, arr in hf_tensors(spec, name, flat):
       if st_dtype == "BF16":
         arr = bf16_bits(arr)
-      else:  # a copy even when no conversion is needed: the caller may reuse `flat` next group
-        if st_dtype == "F16":
-          top = float(np.max(np.abs(arr), initial=0.0, where=np.isfinite(arr)))
-          if top > np.finfo(np.float16).max:
-            raise HFError(f"export: {tname} holds {top:.4g}, beyond float16's range (65504); "
-                          f"export as bfloat16 or float32")
-        arr = np.array(arr, np.float16 if st_dtype == "F16" else np.float32, order="C")
+      elif st_dtype == "F16":
+        top = float(np.max(np.abs(arr), initial=0.0, where=np.isfinite(arr)))
+        if top > np.finfo(np.float16).max:
+          raise HFError(f"export: {tname} holds {top:.4g}, beyond float16's range (65504); "
+                        f"export as bfloat16 or float32")
+        arr = arr.astype(np.float16)
       if pending and pending_bytes + arr.nbytes > max_shard_bytes:
         flush()
       pending.append((tname, st_dtype, arr))
@@ -546,10 +450,11 @@ def load_into(store, directory: str | os.PathLike) -> None:
   """Imports a Hugging Face model's weights into a `mtjax.store.LayerStore`, group by group, each
   tensor written straight into the group's buffer (every tensor checked first)."""
   ck = Checkpoint(directory)
-  ck.check(store.model_cfg, store.layouts)
+  spec = models.spec(store.model_cfg)
+  ck.check(spec)
   for i, g in enumerate(store.groups):
     if store.owns(i):  # with several processes, each reads the groups it holds
-      store.fill(i, lambda out, name=g.name: ck.read_group(store.model_cfg, store.layouts, name, out))
+      store.fill(i, lambda out, name=g.name: ck.read_group(spec, name, out))
 
 
 def export_store(store, out_dir: str | os.PathLike, dtype: str = "bfloat16",
@@ -557,4 +462,4 @@ def export_store(store, out_dir: str | os.PathLike, dtype: str = "bfloat16",
   """Writes a `LayerStore`'s weights (call `sync()` first) as a Hugging Face directory, one group
   in host memory at a time."""
   groups = ((g.name, store.read(i)["w"]) for i, g in enumerate(store.groups))
-  return export(out_dir, store.model_cfg, store.layouts, groups, dtype, source_dir)
+  return export(out_dir, store.model_cfg, groups, dtype, source_dir)

@@ -33,7 +33,7 @@ import numpy as np
 import optax
 
 from mtjax.config import OptimConfig
-from mtjax.state import Layout
+from mtjax.layout import Layout
 
 
 def schedule(cfg: OptimConfig, decay_steps: int) -> optax.Schedule:

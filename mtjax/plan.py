@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mtjax import config as config_lib
+from mtjax import cli, config as config_lib, models
 
 GiB = 2**30
 # Python, jax/XLA, the CUDA runtime and compiled code: measured on the H200 box (7B and 9B runs:
@@ -52,33 +52,23 @@ class PlanError(RuntimeError):
 
 
 def param_counts(m: config_lib.ModelConfig) -> dict[str, int]:
-  """Parameters of each layer kind, in closed form (tests hold it to the real layouts)."""
-  D, F, hd = m.hidden, m.ffn, m.dim_per_head
-  q, kv = m.heads * hd, m.n_kv_heads * hd
-  block = (D * q + 2 * D * kv + q * D + 3 * D * F + 2 * D + (q + 2 * kv if m.qkv_bias else 0)
-           + (2 * hd if m.qk_norm else 0))
-  embed = m.vocab_size * D
-  head = D + (0 if m.tie_embeddings else D * m.vocab_size)
-  return {"embed": embed, "block": block, "head": head, "total": embed + m.layers * block + head}
-
-
-def attention_forward_flops(cfg: config_lib.Config, causal_half: bool) -> float:
-  """One block's attention matmuls (scores and values) in the forward, at the config's batch and
-  sequence length: all of them, or the causal half a flash kernel computes."""
-  m, t = cfg.model, cfg.train
-  return 4 * t.batch * t.seq**2 * m.heads * m.dim_per_head * (0.5 if causal_half else 1.0)
+  """Parameters: `total`, `active` per token (a mixture's unchosen experts left out), and one
+  group's of each layer kind ("embed", "head", each block kind: mtjax.models.spec)."""
+  return models.spec(m).counts
 
 
 def flops(cfg: config_lib.Config) -> dict[str, float]:
   """FLOPs of one training step at the config's batch and sequence length.
 
-  `model`: 6 x parameters x tokens, the usual count (attention's own matmuls left out).
+  `model`: 6 x active parameters x tokens, the usual count (attention's own matmuls left out; a
+  mixture of experts counts the experts a token uses).
   `attention`: those matmuls, scores and values, forward and backward (3 x the forward), counting
-  only the causal half a flash kernel computes: 6 x layers x batch x seq^2 x heads x head_dim.
+  only the causal pairs a flash kernel computes, and for sliding layers those in the window.
   `with_attention`: their sum, the work a long context is judged by."""
   m, t = cfg.model, cfg.train
-  model = 6 * param_counts(m)["total"] * t.batch * t.seq
-  attention = 3 * m.layers * attention_forward_flops(cfg, causal_half=True)
+  spec = models.spec(m)
+  model = 6 * spec.counts["active"] * t.batch * t.seq
+  attention = 3 * spec.attention_forward_flops(t.batch, t.seq, causal_half=True)
   return {"model": float(model), "attention": float(attention),
           "with_attention": float(model + attention)}
 
@@ -91,7 +81,7 @@ def hf_staging_bytes(cfg: config_lib.Config) -> int:
   beside one group's fp32 weights copied from its tier."""
   from mtjax import hf  # noqa: PLC0415 - numpy and the safetensors format only; no backend
   pc = param_counts(cfg.model)
-  group = 4 * max(pc["embed"], pc["block"], pc["head"])
+  group = 4 * max(v for k, v in pc.items() if k not in ("total", "active"))
   imported = group if cfg.model.from_hf else 0
   exported = 0
   if cfg.train.export_dir:
@@ -328,9 +318,10 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
           grad_queue: int) -> Plan:
   m, e, t, o = cfg.model, cfg.engine, cfg.train, cfg.optim
   nd = devices_of(cfg)  # resolved by the caller
-  pc = param_counts(m)
+  spec = models.spec(m)
+  pc = spec.counts
   P, L = pc["total"], m.layers
-  kinds = ["embed"] + ["block"] * L + ["head"]
+  kinds = [k for _, k in spec.groups]
   sizes = [pc[k] for k in kinds]
   ob = [(opt_bytes or {}).get(k, 8 * pc[k]) for k in kinds]  # optimizer state bytes per group
   on = lambda tier: [i for i, tr in enumerate(tiers) if tr == tier]
@@ -396,6 +387,8 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
   else:
     mb = e.micro_batch or max(1, t.batch // nd)
     D, F, V = m.hidden, m.ffn, m.vocab_size
+    if m.moe is not None:  # a token's experts' inner width, and its sorted copies
+      F = max(F, m.moe.experts_per_token * (m.moe.expert_ffn + 2 * D) + m.moe.shared_width)
     H = m.heads
     # One block's backward over one micro-batch: its forward re-run under vjp keeps about a dozen
     # [mb, T, D]-sized and three [mb, T, F]-sized intermediates, and as many cotangents; tiled
@@ -410,18 +403,21 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
     device["layer working set (estimated)"] = max(layer_acts + attn + 3 * tokens * D * act,
                                                   chunk * V * (4 + 4 + act) + 8 * D * V)
 
-  D, V, H, hd = m.hidden, m.vocab_size, m.heads, m.dim_per_head
-  block_matmul = pc["block"] - 2 * D - (H * hd + 2 * m.n_kv_heads * hd if m.qkv_bias else 0)
+  D, V = m.hidden, m.vocab_size
   causal = 0.5 if e.compute_dtype == "bfloat16" and e.attention != "xla" else 1.0
   rerun = 1 + (K - 1) / K  # a block's forward runs again in the backward: once, or twice in a segment
   # Seconds for matmul FLOPs and attention FLOPs: a fused (flash) attention kernel runs below the
   # dense matmul rate; XLA's attention is plain matmuls.
   attn_rate = rates.attention_tflops if causal < 1 else rates.matmul_tflops
   seconds = lambda matmul, attn: (matmul / rates.matmul_tflops + attn / attn_rate) / (nd * 1e12)
-  attn_fwd = attention_forward_flops(cfg, causal_half=causal < 1)
+  N, dqk, dv = spec.attention_widths
+  # each block's matrix parameters a token uses, and its attention matmuls in the forward
+  block_matmul = [spec.matmul_params(kinds[i + 1]) for i in range(L)]
+  attn_fwd = [2 * N * (dqk + dv) * spec.attention_pairs(i, t.batch, t.seq, causal < 1)
+              for i in range(L)]
   # forward, its re-runs, backward (2x the forward): matmuls and causal attention
-  compute_s = seconds(L * (6 + 2 * rerun) * block_matmul * tokens + 6 * D * V * tokens,
-                      L * (3 + rerun) * attn_fwd)
+  compute_s = seconds((6 + 2 * rerun) * sum(block_matmul) * tokens + 6 * D * V * tokens,
+                      (3 + rerun) * sum(attn_fwd))
   ckpt_link = spilled * checkpoint
   # Host groups' weights cross twice (forward, backward; the embedding's backward needs none),
   # stream groups' optimizer state crosses both ways, device groups cross nothing.
@@ -435,10 +431,10 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
       "device->host": d2h / (rates.d2h_gbps * 1e9),
       "host optimizer": host_updated / (rates.host_adamw_gparams * 1e9),
   }
-  block_fwd = seconds(2 * block_matmul * tokens, attn_fwd)
+  block_fwd = [seconds(2 * block_matmul[i] * tokens, attn_fwd[i]) for i in range(L)]
   layers = [Layer(sizes[0], 0.0, 0.0, 0)]
   # A block whose input was not kept has its forward re-run in the backward: (K-1)/K of them.
-  layers += [Layer(pc["block"], block_fwd, (2 + rerun) * block_fwd,
+  layers += [Layer(sizes[i + 1], block_fwd[i], (2 + rerun) * block_fwd[i],
                    checkpoint if i % K == 0 and i // K < spilled else 0) for i in range(L)]
   layers += [Layer(sizes[-1], seconds(6 * D * V * tokens, 0), 0.0, 0)]
   if not rates.accelerator:  # the CPU backend's "device" memory is host RAM
@@ -645,10 +641,10 @@ def prepare(cfg: config_lib.Config, host_limit: int | None = None
   cfg = _with_devices(cfg, n)
   if accel:
     pinned_cap = int(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64")) * GiB
-  from mtjax import engine as engine_lib, optimizer as opt_lib, state as state_lib  # noqa: PLC0415
+  from mtjax import engine as engine_lib, optimizer as opt_lib  # noqa: PLC0415
   working = engine_lib.compiled_memory(cfg, device, n_all)
   rule = opt_lib.UpdateRule(cfg.optim, cfg.decay_steps)
-  opt_bytes = {k: rule.state_bytes(lay) for k, lay in state_lib.layouts(cfg.model).items()}
+  opt_bytes = {k: rule.state_bytes(lay) for k, lay in models.spec(cfg.model).layouts.items()}
   plan = make(cfg, host_limit, device_memory_limit(device), Rates(accelerator=accel), working,
               opt_bytes, pinned_cap)
   check(plan)
@@ -738,7 +734,7 @@ def main(argv=None) -> int:
   p.add_argument("--no-device", action="store_true",
                  help="plan without starting the accelerator (device bytes estimated, no device limit)")
   p.add_argument("--json", help="also write the plan's figures (bytes, seconds) to this path")
-  args, cfg = config_lib.parse_cli(p, argv)
+  args, cfg = cli.parse_cli(p, argv)
   if args.no_device:
     plan = make(cfg, host_limit=host_memory_limit(),
                 rates=Rates(accelerator=probe_device_memory() is not None))

@@ -32,6 +32,7 @@ and export.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import ctypes
 import dataclasses
 import os
 import threading
@@ -44,18 +45,33 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mtjax import optimizer as opt_lib
-from mtjax.config import Config, ModelConfig
-from mtjax.state import Layout, host_memory_kind, layouts, writable_view
+from mtjax import models, optimizer as opt_lib
+from mtjax.config import Config
+from mtjax.layout import Layout
 
 Tier = Literal["host", "stream", "device"]
 TIERS = ("host", "stream", "device")
 
 
-def group_names(cfg: ModelConfig) -> list[tuple[str, str]]:
-  """(name, kind) of every group in forward order."""
-  return ([("embed", "embed")] + [(f"block_{i}", "block") for i in range(cfg.layers)]
-          + [("head", "head")])
+def host_memory_kind(device: jax.Device) -> str | None:
+  kinds = {m.kind for m in device.addressable_memories()}
+  return "pinned_host" if "pinned_host" in kinds else None
+
+
+def writable_view(arr: jax.Array) -> np.ndarray:
+  """A writable numpy view of a single-device host-memory jax array.
+
+  jax arrays are immutable by contract, but a pinned buffer is the only memory the device can DMA
+  from at full speed, so the host optimizer writes the master weights here in place. Safe because
+  the engine orders it: a layer is rewritten only after every device copy that reads it has
+  completed (its gradient, which depends on that copy, has arrived), and it is copied again only
+  after the update has finished.
+  """
+  n = arr.size
+  buf = (ctypes.c_float * n).from_address(arr.unsafe_buffer_pointer())
+  view = np.frombuffer(buf, dtype=np.float32)
+  assert view.size == n
+  return view
 
 
 def placement(cfg: Config) -> list[Tier]:
@@ -93,7 +109,8 @@ class LayerStore:
   def __init__(self, cfg: Config, groups: list[Group], mesh: Mesh, rule: opt_lib.UpdateRule):
     self.cfg = cfg
     self.model_cfg = cfg.model
-    self.layouts = layouts(cfg.model)
+    self.spec = models.spec(cfg.model)
+    self.layouts = self.spec.layouts
     self.groups = groups
     self.mesh = mesh
     self.devices = list(mesh.devices.flat)
@@ -473,10 +490,11 @@ def create(cfg: Config, key: jax.Array, tiers: Sequence[Tier] | None = None,
   """
   mesh = mesh or device_mesh(cfg)
   tiers = list(tiers) if tiers is not None else placement(cfg)
-  names = group_names(cfg.model)
+  spec = models.spec(cfg.model)
+  names = spec.groups
   if len(tiers) != len(names):
     raise ValueError(f"placement has {len(tiers)} tiers, the model has {len(names)} groups")
-  lays = layouts(cfg.model)
+  lays = spec.layouts
   rule = opt_lib.UpdateRule(cfg.optim, cfg.decay_steps, tx)
   store = LayerStore(cfg, [], mesh, rule)
   if store.multiprocess:  # every process must place every group alike, or a group has 0 or 2 owners
@@ -491,7 +509,7 @@ def create(cfg: Config, key: jax.Array, tiers: Sequence[Tier] | None = None,
       store.groups.append(Group(name, kind_, lay, tier, None, None, home))
       continue
     w = np.empty(lay.size, np.float32)
-    init_params(cfg.model, lay, name, seed, w)
+    init_params(spec, lay, name, seed, w)
     opt = rule.init_host(lay)
     pinned = store.pinned(home)
     if tier == "device":
@@ -514,11 +532,13 @@ def _stable(*names: str) -> list[int]:
   return [zlib.crc32(n.encode()) & 0x7FFFFFFF for n in names]
 
 
-def init_params(cfg: ModelConfig, layout: Layout, group: str, seed: Sequence[int], out: np.ndarray):
-  """Fills `out` with one group's initial weights. Each tensor's values depend only on
-  (seed, group name, parameter name), never on the buffer layout or the model's depth; matrices
-  draw N(0, init_std) in chunks of 4M elements on all cores (numpy's generators release the GIL),
-  so a 14B model initialises in seconds rather than minutes."""
+def init_params(spec: models.ModelSpec, layout: Layout, group: str, seed: Sequence[int],
+                out: np.ndarray):
+  """Fills `out` with one group's initial weights, each parameter as the family's init rule says
+  (`ModelSpec.init_value`). Each tensor's values depend only on (seed, group name, parameter
+  name), never on the buffer layout or the model's depth; matrices draw N(0, init_std) in chunks of
+  4M elements on all cores (numpy's generators release the GIL), so a 14B model initialises in
+  seconds rather than minutes."""
   global _init_pool
   with _init_lock:
     if _init_pool is None:
@@ -526,17 +546,17 @@ def init_params(cfg: ModelConfig, layout: Layout, group: str, seed: Sequence[int
   jobs = []
   for path, shape, off in zip(layout.paths, layout.shapes, layout.offsets):
     n = int(np.prod(shape))
-    name = path[-1]
-    if name == "scale":
+    rule = spec.init_value(path)
+    if rule == "ones":
       out[off:off + n] = 1.0
-    elif name == "bias":
+    elif rule == "zeros":
       out[off:off + n] = 0.0
     else:
       base = list(seed) + _stable(group, "/".join(path))
       for c, lo in enumerate(range(0, n, _INIT_CHUNK)):
         hi = min(n, lo + _INIT_CHUNK)
         jobs.append(_init_pool.submit(_normal_fill, base + [c], out[off + lo:off + hi],
-                                      np.float32(cfg.init_std)))
+                                      np.float32(spec.cfg.init_std)))
   for j in jobs:
     j.result()
 

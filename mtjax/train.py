@@ -18,8 +18,8 @@ from pathlib import Path
 import jax
 from tqdm.auto import tqdm
 
-from mtjax import config as config_lib
-from mtjax import checkpoint, data, hf, plan as plan_lib, runlog, state as state_lib
+from mtjax import cli, config as config_lib
+from mtjax import checkpoint, data, hf, models, plan as plan_lib, runlog
 from mtjax import store as store_lib
 from mtjax.engine import Engine
 from mtjax.optimizer import HostUpdateError
@@ -159,7 +159,7 @@ def _run(cfg: config_lib.Config, progress: bool, on_plan, json_path: str | None,
                        f"prepare the data with --val-fraction 0.02, or set train.eval_every=0"
                        ) from None
   if cfg.model.from_hf:
-    hf.Checkpoint(cfg.model.from_hf).check(cfg.model, state_lib.layouts(cfg.model))
+    hf.Checkpoint(cfg.model.from_hf).check(models.spec(cfg.model))
   device = jax.local_devices()[0]
   init_key = jax.random.key(tc.seed)  # the only key: data is seeded from train.seed by step
   t0 = time.perf_counter()
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
                       "and --process-id")
   p.add_argument("--num-processes", type=int, help="several hosts: how many processes in all")
   p.add_argument("--process-id", type=int, help="several hosts: this process's index, from 0")
-  args, cfg = config_lib.parse_cli(p, argv)
+  args, cfg = cli.parse_cli(p, argv)
   dist = (args.coordinator, args.num_processes, args.process_id)
   if any(x is not None for x in dist):
     if any(x is None for x in dist) or not 0 <= args.process_id < args.num_processes:

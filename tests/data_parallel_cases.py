@@ -93,7 +93,7 @@ def test_host_state_is_one_copy_and_gradients_reach_it_reduced():
   st, eng = new_engine(cfg)
   for g in st.groups:
     assert g.tier == "host" and len(g.w.addressable_shards) == 1
-  host = st.grad_to_host(eng._block_bwd_keep(st.fetch(1), *_block_args(cfg, st, eng))[1])
+  host = st.grad_to_host(eng._block_bwd_keep["block"](st.fetch(1), *_block_args(cfg, st, eng))[1])
   assert len(host.addressable_shards) == 1 and host.sharding.memory_kind == "pinned_host"
   eng.close()
 
@@ -102,7 +102,7 @@ def _block_args(cfg, st, eng):
   b = batch_for(cfg)
   inp = eng._inputs(b)
   x = eng._embed_fwd(st.fetch(0), inp.tokens)
-  return x, inp.ctx, x
+  return x, inp.ctx, x, {}  # a dense block: no auxiliary sums, no cotangent of them
 
 
 def test_a_batch_that_does_not_split_is_refused_and_state_untouched():
@@ -119,10 +119,10 @@ def test_a_batch_that_does_not_split_is_refused_and_state_untouched():
 def test_layer_programs_split_the_batch_and_all_reduce_the_gradient():
   cfg = make_cfg({"layers": 1}, dict(devices=N), train=dict(batch=8))
   st, eng = new_engine(cfg)
-  x, ctx, dy = _block_args(cfg, st, eng)
+  x, ctx, dy, daux = _block_args(cfg, st, eng)
   assert x.sharding.spec[0] == "data"  # activations stay split
-  hlo = eng._block_bwd_keep.lower(st.fetch(1), x, ctx, dy).compile().as_text()
+  hlo = eng._block_bwd_keep["block"].lower(st.fetch(1), x, ctx, dy, daux).compile().as_text()
   assert "all-reduce" in hlo
-  dx, g, _ = eng._block_bwd_keep(st.fetch(1), x, ctx, dy)
+  dx, g, _ = eng._block_bwd_keep["block"](st.fetch(1), x, ctx, dy, daux)
   assert dx.sharding.spec[0] == "data" and g.sharding.is_fully_replicated
   eng.close()

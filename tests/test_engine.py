@@ -202,7 +202,7 @@ def test_engine_variants_equal_plain_optax(variant):
 def test_every_kth_block_input_is_kept_and_the_plan_counts_it():
   cfg = make_cfg({"layers": 5}, dict(activations_every=2))
   st, eng = new_engine(cfg)
-  saved = eng._forward(eng._inputs(batch_for(cfg)))[3]
+  saved = eng._forward(eng._inputs(batch_for(cfg))).saved
   assert [x is not None for x in saved] == [True, False, True, False, True]  # blocks 0, 2, 4
   eng.close()
   from mtjax import plan
@@ -222,7 +222,7 @@ def test_every_kth_block_input_is_kept_and_the_plan_counts_it():
 def test_the_first_kept_inputs_spill_to_host_and_the_plan_spills_the_fewest_that_fit():
   cfg = make_cfg({"layers": 5}, dict(activations_every=2, activations=2))
   st, eng = new_engine(cfg)
-  saved = eng._forward(eng._inputs(batch_for(cfg)))[3]
+  saved = eng._forward(eng._inputs(batch_for(cfg))).saved
   kinds = [None if x is None else x.sharding.memory_kind for x in saved]
   device_kind = jax.devices()[0].default_memory().kind
   assert kinds == ["pinned_host", None, "pinned_host", None, device_kind]  # kept: blocks 0, 2, 4

@@ -15,8 +15,10 @@ import safetensors.numpy
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from mtjax import hf, model, state as state_lib  # noqa: E402
+import mtjax  # noqa: E402
+from mtjax import cli, hf, models  # noqa: E402
 from mtjax.config import ModelConfig  # noqa: E402
+from mtjax.models.layers import token_nll  # noqa: E402
 from numerics import assert_close, errors, REL_L2, REL_MAX  # noqa: E402
 
 BASE = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -55,26 +57,20 @@ def build(family, directory, dtype=torch.float32, seed=0):
 
 
 def load(directory):
-  """Imports a directory: (config, layouts, {group: flat fp32 vector})."""
-  ckpt = hf.Checkpoint(directory)
-  cfg = ModelConfig(**ckpt.model_fields())
-  lays = state_lib.layouts(cfg)
-  ckpt.check(cfg, lays)
-  flats = {}
-  for g in hf.group_names(cfg):
-    kind = g if g in ("embed", "head") else "block"
-    flats[g] = np.full(lays[kind].size, np.nan, np.float32)  # NaN: a gap would show
-    ckpt.read_group(cfg, lays, g, flats[g])
-  return cfg, lays, flats
+  """Imports a directory through the public API: (config, parameter tree)."""
+  return mtjax.load_hf(directory)
 
 
-def logits(cfg, lays, flats, ids):
-  """mtjax's layer modules composed into the whole model, in fp32."""
-  x = model.Embed(cfg).apply({"params": lays["embed"].unflatten(flats["embed"])}, ids)
-  for i in range(cfg.layers):
-    x = model.Block(cfg, "xla").apply({"params": lays["block"].unflatten(flats[f"block_{i}"])}, x)
-  table = lays["embed"].unflatten(flats["embed"])["table"] if cfg.tie_embeddings else None
-  return model.Head(cfg).apply({"params": lays["head"].unflatten(flats["head"])}, x, table)
+def flats_of(cfg, params):
+  """{group: flat fp32 vector} of a parameter tree, in forward order (what a store holds)."""
+  spec = models.spec(cfg)
+  parts = [params["embed"], *params["blocks"], params["head"]]
+  return {g: spec.group_layout(g).flatten(p) for (g, _), p in zip(spec.groups, parts)}
+
+
+def logits(cfg, params, ids):
+  """mtjax's whole model (its layer modules composed) in fp32."""
+  return mtjax.forward(cfg, params, ids)
 
 
 def token_ids(V, seed=0):
@@ -113,14 +109,14 @@ def test_logits_match_transformers(saved, family):
   n_shards = len(list(d.glob("*.safetensors")))
   assert (n_shards == 1) == (family == "llama_tied")
   assert (d / "model.safetensors.index.json").exists() == (n_shards > 1)
-  cfg, lays, flats = load(d)
+  cfg, params = load(d)
   assert (cfg.tie_embeddings, cfg.qkv_bias, cfg.qk_norm) == (
       family == "llama_tied", family == "qwen2", family == "qwen3")
   ids = token_ids(cfg.vocab_size)
   with torch.no_grad():
     want = m(torch.from_numpy(ids).long()).logits.numpy()
   assert 0.5 < np.abs(want).mean() < 5  # logits of magnitude ~1, so the tolerance means fp32
-  got = logits(cfg, lays, {k: jnp.asarray(v) for k, v in flats.items()}, ids)
+  got = logits(cfg, params, ids)
   assert_close(got, want, name="logits")
 
 
@@ -146,24 +142,23 @@ def torch_loss_and_grads(d, ids):
   return out.loss.item(), {k: p.grad.numpy() for k, p in m.named_parameters()}
 
 
-def mtjax_loss_and_grads(cfg, lays, flats, ids):
+def mtjax_loss_and_grads(cfg, params, ids):
   """The same loss through mtjax's layer modules and its gradient by jax, by Hugging Face name."""
   def loss_fn(params):
-    lg = logits(cfg, lays, params, ids)[:, :-1].reshape(-1, cfg.vocab_size)
-    return jnp.mean(model.token_nll(lg, jnp.asarray(ids[:, 1:].reshape(-1))))
+    lg = logits(cfg, params, ids)[:, :-1].reshape(-1, cfg.vocab_size)
+    return jnp.mean(token_nll(lg, jnp.asarray(ids[:, 1:].reshape(-1))))
 
-  loss, grads = jax.value_and_grad(loss_fn)({k: jnp.asarray(v) for k, v in flats.items()})
-  return float(loss), {name: g for grp in hf.group_names(cfg)
-                       for name, g in hf.hf_tensors(lays, grp, np.asarray(grads[grp]))}
+  loss, grads = jax.value_and_grad(loss_fn)(params)
+  return float(loss), mtjax.to_hf_names(cfg, grads)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_loss_and_gradients_match_torch_autograd(saved, family):
   d, _ = saved(family)
-  cfg, lays, flats = load(d)
+  cfg, params = load(d)
   ids = token_ids(cfg.vocab_size, seed=1)
   want_loss, want = torch_loss_and_grads(d, ids)
-  loss, got = mtjax_loss_and_grads(cfg, lays, flats, ids)
+  loss, got = mtjax_loss_and_grads(cfg, params, ids)
   assert_close(loss, want_loss, name="loss")
   assert got.keys() == want.keys()
   for k in want:
@@ -178,11 +173,11 @@ def test_parity_criterion_catches_a_wrong_norm_epsilon_or_rope_base(saved, famil
   """The tolerance of the parity tests (tests/numerics.py) is no wider than the defects it must
   catch: a norm epsilon 10x off or a RoPE base 1% off fails it by a wide margin."""
   d, _ = saved(family)
-  cfg, lays, flats = load(d)
+  cfg, params = load(d)
   ids = token_ids(cfg.vocab_size, seed=1)
   _, want = torch_loss_and_grads(d, ids)
   wrong = dataclasses.replace(cfg, **{field: getattr(cfg, field) * factor})
-  _, got = mtjax_loss_and_grads(wrong, lays, flats, ids)
+  _, got = mtjax_loss_and_grads(wrong, params, ids)
   worst = max(errors(got[k], want[k]) for k in want)
   assert worst[0] > 5 * REL_L2 and worst[1] > 5 * REL_MAX, worst
 
@@ -193,8 +188,8 @@ def test_half_precision_import_is_exact(tmp_path, monkeypatch, family, dtype):
   monkeypatch.setattr(hf, "CHUNK", 100)  # each matrix is converted in several row blocks
   m = build(family, tmp_path, dtype)
   assert json.loads((tmp_path / "config.json").read_text())["dtype"] == str(dtype)[6:]
-  cfg, lays, flats = load(tmp_path)
-  got = {name: a for grp in hf.group_names(cfg) for name, a in hf.hf_tensors(lays, grp, flats[grp])}
+  cfg, params = load(tmp_path)
+  got = mtjax.to_hf_names(cfg, params)
   for name, p in m.named_parameters():
     want = p.detach().float().numpy()
     np.testing.assert_array_equal(got[name].view(np.int32), want.view(np.int32), err_msg=name)
@@ -225,10 +220,10 @@ def test_export_round_trip_with_source(tmp_path):
   m.save_pretrained(src, max_shard_size="20KB")
   for name, text in TOKENIZER.items():
     (src / name).write_text(text)
-  cfg, lays, flats = load(src)
+  cfg, params = load(src)
   want = state_dict_bits(m)
 
-  out32 = hf.export(tmp_path / "f32", cfg, lays, reused_buffer(flats), dtype="float32",
+  out32 = hf.export(tmp_path / "f32", cfg, reused_buffer(flats_of(cfg, params)), dtype="float32",
                     source_dir=src, max_shard_bytes=20_000)
   n = len(list(out32.glob("model-*-of-*.safetensors")))
   assert n > 2 and (out32 / f"model-{n:05d}-of-{n:05d}.safetensors").exists()
@@ -242,7 +237,7 @@ def test_export_round_trip_with_source(tmp_path):
   assert m32.dtype == torch.float32
   assert_bits_equal(state_dict_bits(m32), want)
 
-  out16 = hf.export(tmp_path / "bf16", cfg, lays, iter(flats.items()), dtype="bfloat16",
+  out16 = hf.export(tmp_path / "bf16", cfg, iter(flats_of(cfg, params).items()), dtype="bfloat16",
                     source_dir=src)
   assert sorted(p.name for p in out16.glob("*.safetensors")) == ["model.safetensors"]
   assert json.loads((out16 / "config.json").read_text())["dtype"] == "bfloat16"
@@ -262,10 +257,10 @@ def test_export_round_trip_with_source(tmp_path):
 @pytest.mark.parametrize("family", ["llama3", "llama_tied", "qwen2", "qwen3"])
 def test_export_without_source_writes_a_config_transformers_reads(saved, tmp_path, family):
   d, m = saved(family)
-  cfg, lays, flats = load(d)
-  out = hf.export(tmp_path / "out", cfg, lays, iter(flats.items()), dtype="float32",
+  cfg, params = load(d)
+  out = hf.export(tmp_path / "out", cfg, iter(flats_of(cfg, params).items()), dtype="float32",
                   max_shard_bytes=30_000)
-  assert ModelConfig(**hf.Checkpoint(out).model_fields()) == cfg
+  assert ModelConfig(**hf.Checkpoint(out).model_fields(), from_hf=cfg.from_hf) == cfg
   m2 = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
   assert type(m2) is type(m)
   assert_bits_equal(state_dict_bits(m2), state_dict_bits(m))
@@ -276,7 +271,8 @@ def test_export_without_source_writes_a_config_transformers_reads(saved, tmp_pat
 
 def test_export_is_all_or_nothing(saved, tmp_path):
   d, _ = saved("llama3")
-  cfg, lays, flats = load(d)
+  cfg, params = load(d)
+  flats = flats_of(cfg, params)
 
   def failing():
     yield "embed", flats["embed"]
@@ -284,15 +280,15 @@ def test_export_is_all_or_nothing(saved, tmp_path):
     raise RuntimeError("disk full")
 
   with pytest.raises(RuntimeError, match="disk full"):
-    hf.export(tmp_path / "out", cfg, lays, failing(), max_shard_bytes=10_000)
+    hf.export(tmp_path / "out", cfg, failing(), max_shard_bytes=10_000)
   assert list(tmp_path.iterdir()) == []
   with pytest.raises(hf.HFError, match=r"got group 'head', expected block_1"):
-    hf.export(tmp_path / "out", cfg, lays, [(k, flats[k]) for k in ("embed", "block_0", "head")])
+    hf.export(tmp_path / "out", cfg, [(k, flats[k]) for k in ("embed", "block_0", "head")])
   assert list(tmp_path.iterdir()) == []
   (tmp_path / "out").mkdir()
   (tmp_path / "out" / "keep").write_text("x")
   with pytest.raises(hf.HFError, match="not an empty directory"):
-    hf.export(tmp_path / "out", cfg, lays, iter(flats.items()))
+    hf.export(tmp_path / "out", cfg, iter(flats.items()))
 
 
 def one_line(excinfo, *parts):
@@ -304,14 +300,13 @@ def one_line(excinfo, *parts):
 
 @pytest.mark.parametrize("edit,parts", [
     (dict(architectures=["GPT2LMHeadModel"]), ["GPT2LMHeadModel", "unsupported"]),
-    (dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=4096),
-     ["sliding_window=4096"]),
-    (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=True),
-     ["use_sliding_window=True"]),
     (dict(attention_bias=True), ["attention_bias=True"]),
     (dict(mlp_bias=True), ["mlp_bias=True"]),
     (dict(hidden_act="gelu"), ["hidden_act='gelu'"]),
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), ["'yarn'"]),
+    (dict(rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}),
+     ["'dynamic'"]),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+     ["original_max_position_embeddings"]),
     (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}),
      ["low_freq_factor"]),
     (dict(hidden_size=None), ["hidden_size", "missing"]),
@@ -348,7 +343,7 @@ def test_bad_tensors_are_one_line_errors_before_anything_is_read(tmp_path, chang
   ckpt = hf.Checkpoint(tmp_path)
   cfg = ModelConfig(**ckpt.model_fields())
   with pytest.raises(hf.HFError) as e:
-    ckpt.check(cfg, state_lib.layouts(cfg))
+    ckpt.check(models.spec(cfg))
   one_line(e, str(tmp_path), *parts)
 
 
@@ -359,8 +354,8 @@ def test_tied_lm_head_and_rotary_buffers_are_tolerated(tmp_path):
   tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
   tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)
   safetensors.numpy.save_file(tensors, path)
-  cfg, lays, flats = load(tmp_path)
-  np.testing.assert_array_equal(lays["embed"].unflatten(flats["embed"])["table"],
+  cfg, params = load(tmp_path)
+  np.testing.assert_array_equal(params["embed"]["table"],
                                 m.model.embed_tokens.weight.detach().numpy())
 
 
@@ -372,15 +367,16 @@ def test_import_holds_at_most_one_tensor_beside_the_state(tmp_path, dtype):
   transformers.AutoModelForCausalLM.from_config(c).to(dtype).save_pretrained(tmp_path)
   ckpt = hf.Checkpoint(tmp_path)
   cfg = ModelConfig(**ckpt.model_fields())
-  lays = state_lib.layouts(cfg)
-  ckpt.check(cfg, lays)
-  for g in hf.group_names(cfg):
-    out = np.zeros(lays[g if g in ("embed", "head") else "block"].size, np.float32)
-    largest = max(int(np.prod(t.shape)) for t in hf.tensors(lays, g)) * 4
+  spec = models.spec(cfg)
+  ckpt.check(spec)
+  for g, _ in spec.groups:
+    lay = spec.group_layout(g)
+    out = np.zeros(lay.size, np.float32)
+    largest = max(int(np.prod(p.shape)) for p in spec.family.pieces(cfg, g, lay)) * 4
     assert out.nbytes > 2 * largest or g != "block_0"  # a whole-group temporary would show
     tracemalloc.start()
     try:
-      ckpt.read_group(cfg, lays, g, out)
+      ckpt.read_group(spec, g, out)
       peak = tracemalloc.get_traced_memory()[1]
     finally:
       tracemalloc.stop()
@@ -390,7 +386,7 @@ def test_import_holds_at_most_one_tensor_beside_the_state(tmp_path, dtype):
 def test_engine_gradients_on_an_imported_model_match_torch(tmp_path):
   from mtjax import config, data, engine, plan, store as store_lib
   build("qwen3", tmp_path / "src")
-  cfg = config.load(None, [f"model.from_hf={tmp_path / 'src'}", "engine.compute_dtype=float32",
+  cfg = cli.load_config(None, [f"model.from_hf={tmp_path / 'src'}", "engine.compute_dtype=float32",
                            "engine.device_state_layers=1", "engine.device_update_layers=1",
                            "train.batch=2", "train.seq=12"])
   assert cfg.model.qk_norm and cfg.model.head_dim == 16  # the shape came from config.json
@@ -408,8 +404,8 @@ def test_engine_gradients_on_an_imported_model_match_torch(tmp_path):
   want.backward()
   assert_close(loss, want.item(), name="loss")
   torch_grads = {n: p.grad.numpy() for n, p in m.named_parameters()}
-  for g, name in zip(grads, hf.group_names(cfg.model)):
-    for hf_name, arr in hf.hf_tensors(st.layouts, name, g):
+  for g, (name, _) in zip(grads, st.spec.groups):
+    for hf_name, arr in hf.hf_tensors(st.spec, name, g):
       assert_close(arr, torch_grads[hf_name], name=hf_name)
 
 
@@ -421,24 +417,24 @@ def test_fine_tune_from_hf_exports_a_model_transformers_loads(tmp_path):
   build("llama3", src)
   for name, text in TOKENIZER.items():
     (src / name).write_text(text)
-  cfg = config.load(None, [f"model.from_hf={src}", "engine.compute_dtype=float32",
+  cfg = cli.load_config(None, [f"model.from_hf={src}", "engine.compute_dtype=float32",
                            "train.batch=2", "train.seq=12", "train.steps=3", "optim.lr=1e-3",
                            "optim.warmup_steps=0", f"train.checkpoint_dir={tmp_path / 'ck'}",
                            f"train.export_dir={tmp_path / 'out'}", "train.export_dtype=float32"])
   s = train.run(cfg, progress=False)
   assert s["steps"] == 3
   # The export at the end of training is the trained state, bit for bit, and loads unchanged.
-  cfg_r = config.load(None, [f"model.from_hf={src}", "engine.device_state_layers=0"])
+  cfg_r = cli.load_config(None, [f"model.from_hf={src}", "engine.device_state_layers=0"])
   st = store_lib.create(cfg_r, jax.random.key(1))
   checkpoint.restore(st, checkpoint.latest(tmp_path / "ck"))
   trained = {g.name: st.read(i)["w"] for i, g in enumerate(st.groups)}
   m = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
   sd = {k: v.numpy() for k, v in m.state_dict().items()}
   for name, flat in trained.items():
-    for hf_name, arr in hf.hf_tensors(st.layouts, name, flat):
+    for hf_name, arr in hf.hf_tensors(st.spec, name, flat):
       np.testing.assert_array_equal(sd[hf_name], arr, err_msg=hf_name)
   ids = token_ids(cfg.model.vocab_size)
-  want = logits(st.model_cfg, st.layouts, trained, ids)
+  want = logits(st.model_cfg, st.to_tree(), ids)
   got = m(torch.tensor(ids, dtype=torch.long)).logits.detach().numpy()
   assert_close(got, want, name="logits of the export")
   assert (tmp_path / "out" / "tokenizer.json").exists()
@@ -468,7 +464,7 @@ def test_export_keeps_the_source_identity_from_any_directory(tmp_path, monkeypat
     (tmp_path / "src" / name).write_text(text)
   want = json.loads((tmp_path / "src" / "config.json").read_text())
   monkeypatch.chdir(tmp_path)
-  cfg = config.load(None, ["model.from_hf=src", "engine.compute_dtype=float32", "train.batch=2",
+  cfg = cli.load_config(None, ["model.from_hf=src", "engine.compute_dtype=float32", "train.batch=2",
                            "train.seq=8", "train.steps=1", "train.checkpoint_dir=ck"])
   assert cfg.model.from_hf == str(tmp_path / "src")
   train.run(cfg, progress=False)

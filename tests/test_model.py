@@ -9,7 +9,8 @@ from hypothesis import given, strategies as hst
 
 import reference as ref
 from numerics import assert_close, assert_trees_close
-from mtjax import config, engine, model, state as state_lib
+from mtjax import config, engine, models
+from mtjax.models import layers
 
 
 def model_cfg(**kw):
@@ -18,7 +19,7 @@ def model_cfg(**kw):
 
 
 def random_block(cfg, seed=0):
-  lay = state_lib.layouts(cfg)["block"]
+  lay = models.spec(cfg).layouts["block"]
   w = np.asarray(jax.random.normal(jax.random.key(seed), (lay.size,))) * 0.2
   return lay, lay.unflatten(w)
 
@@ -43,8 +44,9 @@ def test_block_equals_naive_reference(heads, kv, bias, scaling, T, qk_norm, pack
   _, p = random_block(cfg)
   x = jax.random.normal(jax.random.key(1), (2, T, cfg.hidden))
   pos, seg = packed_ctx(2, T, T) if packed else (None, None)
-  ctx = model.Ctx(jnp.asarray(pos), jnp.asarray(seg)) if packed else None
-  got = model.Block(cfg, impl).apply({"params": p}, x, ctx)
+  ctx = layers.Ctx(jnp.asarray(pos), jnp.asarray(seg)) if packed else None
+  got, aux = layers.Block(cfg, implementation=impl).apply({"params": p}, x, ctx)
+  assert aux == {}  # a dense block has no auxiliary sums
   want = ref.block(x, p, cfg, pos, seg)
   assert_close(got, want, name="block output")
 
@@ -53,17 +55,17 @@ def test_block_equals_naive_reference(heads, kv, bias, scaling, T, qk_norm, pack
 def test_rope_frequencies_match_reference(scaling):
   cfg = model_cfg(head_dim=64, heads=2, rope_scaling=scaling, rope_factor=8.0,
                   rope_original_max_len=64, rope_theta=500000.0)
-  assert_close(model.rope_inv_freq(cfg), ref.inv_freq_np(cfg), name="inv_freq")
+  assert_close(layers.rope_inv_freq(cfg)[0], ref.inv_freq_np(cfg), name="inv_freq")
 
 
 def test_rope_is_a_rotation_that_depends_on_relative_position():
   cfg = model_cfg(heads=1, kv_heads=1, head_dim=16, hidden=16)
-  inv = model.rope_inv_freq(cfg)
   q = jax.random.normal(jax.random.key(0), (1, 1, 1, 16))
   k = jax.random.normal(jax.random.key(1), (1, 1, 1, 16))
   T = 12
-  qs = model.apply_rope(jnp.broadcast_to(q, (1, T, 1, 16)), inv)
-  ks = model.apply_rope(jnp.broadcast_to(k, (1, T, 1, 16)), inv)
+  tables = layers.rope_tables(cfg, jnp.arange(T)[None, :])
+  qs = layers.apply_rope(jnp.broadcast_to(q, (1, T, 1, 16)), *tables)
+  ks = layers.apply_rope(jnp.broadcast_to(k, (1, T, 1, 16)), *tables)
   np.testing.assert_allclose(jnp.linalg.norm(qs, axis=-1), jnp.linalg.norm(q), rtol=1e-5)
   dots = jnp.einsum("td,sd->ts", qs[0, :, 0], ks[0, :, 0])
   np.testing.assert_allclose(dots[5, 2], dots[9, 6], rtol=1e-4)  # both 3 apart
@@ -73,8 +75,8 @@ def test_rope_is_a_rotation_that_depends_on_relative_position():
 @pytest.mark.parametrize("chunk", [1, 5, 48, 4096])
 def test_chunked_head_equals_full_logits_loss(tied, chunk):
   cfg = model_cfg(tie_embeddings=tied)
-  lays = state_lib.layouts(cfg)
-  fns = engine.layer_fns(cfg, lays, jnp.float32, None, chunk)
+  lays = models.spec(cfg).layouts
+  fns = engine.layer_fns(models.spec(cfg), jnp.float32, None, chunk)
   k = jax.random.split(jax.random.key(0), 4)
   wh = jax.random.normal(k[0], (lays["head"].size,)) * 0.3
   wt = jax.random.normal(k[1], (lays["embed"].size,)) * 0.3 if tied else None
@@ -105,16 +107,16 @@ def compiled(fn, *args):
 def block_vjps(cfg, impl, variants, x, ctx):
   """Per (seq_tile, dtype) variant: the block's output and its vjp w.r.t. params and input."""
   rng = np.random.default_rng(0)
-  lay = state_lib.layouts(cfg)["block"]
+  lay = models.spec(cfg).layouts["block"]
   p = lay.unflatten(rng.normal(size=lay.size).astype(np.float32) * 0.2)
   dy = rng.normal(size=x.shape).astype(np.float32)
 
   def run(p, x, dy):
     outs = []
     for seq_tile, dtype in variants:
-      block = model.Block(cfg, impl, seq_tile)
+      block = layers.Block(cfg, implementation=impl, seq_tile=seq_tile)
       p_, x_, dy_ = jax.tree.map(lambda a: a.astype(dtype), (p, x, dy))
-      y, pullback = jax.vjp(lambda p, x: block.apply({"params": p}, x, ctx), p_, x_)
+      y, pullback = jax.vjp(lambda p, x: block.apply({"params": p}, x, ctx)[0], p_, x_)
       outs.append((y, pullback(dy_)))
     return outs
 
@@ -127,7 +129,7 @@ def test_tiled_block_equals_untiled(T, packed, qk_norm):
   """Tiles of 4 tokens (T = 19: a padded last tile): output, d/dparams and d/dx as untiled."""
   cfg = model_cfg(qkv_bias=qk_norm, qk_norm=qk_norm)
   x = np.random.default_rng(1).normal(size=(2, T, cfg.hidden)).astype(np.float32)
-  ctx = model.Ctx(*map(jnp.asarray, packed_ctx(2, T, T))) if packed else None
+  ctx = layers.Ctx(*map(jnp.asarray, packed_ctx(2, T, T))) if packed else None
   with jax.default_matmul_precision("highest"):
     want, got = block_vjps(cfg, "xla", [(None, jnp.float32), (4, jnp.float32)], x, ctx)
   assert_trees_close(got, want, name="tiled")
@@ -136,8 +138,8 @@ def test_tiled_block_equals_untiled(T, packed, qk_norm):
 def test_tiled_block_has_the_untiled_parameters():
   cfg = model_cfg(qkv_bias=True, qk_norm=True)
   x = jax.ShapeDtypeStruct((1, 19, cfg.hidden), jnp.float32)
-  untiled = jax.eval_shape(model.Block(cfg).init, jax.random.key(0), x)
-  tiled = jax.eval_shape(model.Block(cfg, None, 4).init, jax.random.key(0), x)
+  untiled = jax.eval_shape(layers.Block(cfg).init, jax.random.key(0), x)
+  tiled = jax.eval_shape(layers.Block(cfg, seq_tile=4).init, jax.random.key(0), x)
   assert jax.tree.structure(tiled) == jax.tree.structure(untiled)
   chex.assert_trees_all_equal_shapes_and_dtypes(tiled, untiled)
 
@@ -156,14 +158,14 @@ def test_tiled_block_in_bf16():
 def test_tiling_bounds_the_blocks_working_set():
   """Compiled vjp temp memory at T = 2048 with a wide MLP, whose [T x ffn] dominates untiled."""
   cfg = model_cfg(hidden=64, heads=4, kv_heads=2, ffn=2048)
-  p = jax.eval_shape(model.Block(cfg).init, jax.random.key(0), jnp.zeros((1, 1, cfg.hidden)))
+  p = jax.eval_shape(layers.Block(cfg).init, jax.random.key(0), jnp.zeros((1, 1, cfg.hidden)))
   x = jax.ShapeDtypeStruct((1, 2048, cfg.hidden), jnp.float32)
 
   def temp_bytes(seq_tile):
-    block = model.Block(cfg, "blockwise", seq_tile)
+    block = layers.Block(cfg, implementation="blockwise", seq_tile=seq_tile)
 
     def vjp(p, x, dy):
-      return jax.vjp(lambda p, x: block.apply(p, x), p, x)[1](dy)
+      return jax.vjp(lambda p, x: block.apply(p, x)[0], p, x)[1](dy)
 
     return compiled(vjp, p, x, x).memory_analysis().temp_size_in_bytes
 

@@ -7,13 +7,14 @@ import optax
 import pytest
 from hypothesis import given, strategies as hst
 
-from mtjax import config, state as state_lib, store as store_lib
+from mtjax import config, store as store_lib
+from mtjax.layout import Layout
 from mtjax.optimizer import HostOptimizer, UpdateRule, clip_scale, schedule
 from numerics import assert_close, assert_trees_close
 
 
 def make_group(n_mat, n_vec, rng, rule=None):
-  lay = state_lib.Layout.from_shapes({"a": jax.ShapeDtypeStruct((n_mat, 3), jnp.float32),
+  lay = Layout.from_shapes({"a": jax.ShapeDtypeStruct((n_mat, 3), jnp.float32),
                                       "b": jax.ShapeDtypeStruct((n_vec,), jnp.float32)})
   w = rng.standard_normal(lay.size).astype(np.float32)
   opt = (rule or UpdateRule(config.OptimConfig(), 10)).init_host(lay)

@@ -10,7 +10,7 @@ import jax
 import pytest
 from hypothesis import given, strategies as hst
 
-from mtjax import config, engine, plan, state as state_lib, store as store_lib, train
+from mtjax import config, engine, models, plan, store as store_lib, train
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 
@@ -18,14 +18,18 @@ CONFIGS = Path(__file__).parent.parent / "configs"
 @given(heads=hst.sampled_from([2, 4]), kv=hst.sampled_from([1, 2]), bias=hst.booleans(),
        tied=hst.booleans(), layers=hst.integers(1, 3), head_dim=hst.sampled_from([None, 8]),
        qk_norm=hst.booleans())
-def test_param_counts_equal_the_real_layouts(heads, kv, bias, tied, layers, head_dim, qk_norm):
+def test_param_counts_equal_the_llama_formula(heads, kv, bias, tied, layers, head_dim, qk_norm):
   m = config.ModelConfig(vocab_size=50, hidden=32, layers=layers, heads=heads, kv_heads=kv,
                          head_dim=head_dim, ffn=40, qkv_bias=bias, tie_embeddings=tied,
                          qk_norm=qk_norm)
-  lays = state_lib.layouts(m)
+  D, F, hd = m.hidden, m.ffn, m.dim_per_head
+  q, k = m.heads * hd, m.n_kv_heads * hd
+  block = (D * q + 2 * D * k + q * D + 3 * D * F + 2 * D + (q + 2 * k if bias else 0)
+           + (2 * hd if qk_norm else 0))
+  embed, head = m.vocab_size * D, D + (0 if tied else D * m.vocab_size)
   pc = plan.param_counts(m)
-  assert (pc["embed"], pc["block"], pc["head"]) == (lays["embed"].size, lays["block"].size,
-                                                     lays["head"].size)
+  assert (pc["embed"], pc["block"], pc["head"]) == (embed, block, head)
+  assert pc["total"] == pc["active"] == embed + layers * block + head
   cfg = config.Config(model=m, engine=config.EngineConfig(device_state_layers=0))
   assert pc["total"] == store_lib.create(cfg, jax.random.key(0)).n_params
 

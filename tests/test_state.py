@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from mtjax import config, state as state_lib, store as store_lib
+from mtjax import config, models, store as store_lib
 
 
 def model_cfg(**kw):
@@ -19,7 +19,7 @@ def create(m, key, tiers=None):
 
 def test_layout_round_trips_and_puts_matrices_first():
   cfg = model_cfg(qkv_bias=True)
-  lay = state_lib.layouts(cfg)["block"]
+  lay = models.spec(cfg).layouts["block"]
   flat = np.arange(lay.size, dtype=np.float32)
   tree = lay.unflatten(flat)
   np.testing.assert_array_equal(lay.flatten(tree), flat)

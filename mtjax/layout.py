@@ -1,21 +1,16 @@
-"""Flat parameter layouts of the layer kinds, and host-memory helpers.
+"""Flat parameter layouts: where each parameter of a layer kind sits in its group's fp32 vector.
 
 Every layer group keeps its parameters as one flat fp32 vector. Within it the parameters sit
 matrices first, so weight decay applies to the prefix `[0, n_decay)` and the fused optimizer needs
-no per-parameter mask. Where each group's vectors live is `mtjax.store`'s business.
+no per-parameter mask. A layout is computed from parameter shapes alone (`mtjax.models.spec`);
+where each group's vectors live is `mtjax.store`'s business.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-
-from mtjax import model
-from mtjax.config import ModelConfig
 
 Path = tuple[str, ...]
 
@@ -33,14 +28,14 @@ class Layout:
   def from_shapes(cls, tree: dict) -> "Layout":
     leaves = _flatten_dict(tree)
     # Matrices first (decayed), then vectors; stable by name inside each class.
-    leaves.sort(key=lambda kv: (len(kv[1]) < 2, kv[0]))
+    leaves.sort(key=lambda kv: (not decayed(kv[0], kv[1]), kv[0]))
     paths, shapes, offsets, off, n_decay = [], [], [], 0, 0
     for path, shape in leaves:
       paths.append(path)
       shapes.append(tuple(shape))
       offsets.append(off)
       off += int(np.prod(shape))
-      if len(shape) >= 2:
+      if decayed(path, shape):
         n_decay = off
     return cls(tuple(paths), tuple(shapes), tuple(offsets), off, n_decay)
 
@@ -71,6 +66,11 @@ class Layout:
     return out
 
 
+def decayed(path: Path, shape) -> bool:
+  """Whether weight decay applies: matrices, not vectors, nor stacks of biases (experts')."""
+  return len(shape) >= 2 and not path[-1].endswith("bias")
+
+
 def _flatten_dict(tree, prefix=()) -> list[tuple[Path, tuple[int, ...]]]:
   out = []
   for k, v in tree.items():
@@ -79,40 +79,3 @@ def _flatten_dict(tree, prefix=()) -> list[tuple[Path, tuple[int, ...]]]:
     else:
       out.append((prefix + (k,), tuple(v.shape)))
   return out
-
-
-def layouts(cfg: ModelConfig) -> dict[str, Layout]:
-  """The flat layouts of the three layer kinds, from shapes alone (nothing is allocated)."""
-  key = jax.random.key(0)
-  tok = jax.ShapeDtypeStruct((1, 2), jnp.int32)
-  x = jax.ShapeDtypeStruct((1, 2, cfg.hidden), jnp.float32)
-  table = jax.ShapeDtypeStruct((cfg.vocab_size, cfg.hidden), jnp.float32)
-  shapes = {
-      "embed": jax.eval_shape(model.Embed(cfg).init, key, tok),
-      "block": jax.eval_shape(model.Block(cfg).init, key, x),
-      "head": jax.eval_shape(model.Head(cfg).init, key, x, table),
-  }
-  return {k: Layout.from_shapes(v["params"]) for k, v in shapes.items()}
-
-
-def host_memory_kind(device: jax.Device) -> str | None:
-  kinds = {m.kind for m in device.addressable_memories()}
-  return "pinned_host" if "pinned_host" in kinds else None
-
-
-def writable_view(arr: jax.Array) -> np.ndarray:
-  """A writable numpy view of a single-device host-memory jax array.
-
-  jax arrays are immutable by contract, but a pinned buffer is the only memory the device can DMA
-  from at full speed, so the host optimizer writes the master weights here in place. Safe because
-  the engine orders it: a layer is rewritten only after every device copy that reads it has
-  completed (its gradient, which depends on that copy, has arrived), and it is copied again only
-  after the update has finished.
-  """
-  n = arr.size
-  buf = (ctypes.c_float * n).from_address(arr.unsafe_buffer_pointer())
-  view = np.frombuffer(buf, dtype=np.float32)
-  assert view.size == n
-  return view
-
-

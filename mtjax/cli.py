@@ -1,0 +1,59 @@
+"""What every command shares: the config as a command reads it (YAML, dotted overrides, a Hugging
+Face model's config.json, the model family checked), and a bad config as a one-line error, exit 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from mtjax import config, hf, models
+from mtjax.config import Config, ConfigError
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+  """Reads YAML (with `base:` files merged first, relative to it), then applies dotted overrides;
+  with `model.from_hf` the model comes from that directory's config.json (its family included).
+  Raises ConfigError naming the key on anything wrong."""
+  raw = with_hf_model(config.read(path, overrides))
+  cfg = config.from_dict(raw)
+  models.get(cfg.model.family)  # a family mtjax has
+  return cfg
+
+
+def with_hf_model(raw: dict) -> dict:
+  """Fills the model section from `model.from_hf`'s config.json; a key the user also set must
+  agree with it."""
+  model = raw.get("model")
+  if not isinstance(model, dict) or not model.get("from_hf"):
+    return raw
+  # Resolved now: the path is stored in the config (and every checkpoint) and must still name the
+  # same directory when an export runs from another working directory.
+  directory = Path(str(model["from_hf"])).expanduser().resolve()
+  try:
+    fields = hf.Checkpoint(directory).model_fields()
+  except (hf.HFError, OSError) as e:
+    raise ConfigError(f"model.from_hf: {e}") from None
+  for k, v in fields.items():
+    if k in model and model[k] != _plain(v):
+      raise ConfigError(f"model.{k}: {model[k]!r} differs from {directory}/config.json ({v!r}); "
+                        "leave it out")
+  return {**raw, "model": {**fields, **model, "from_hf": str(directory)}}
+
+
+def _plain(v):
+  """A config.json value as the YAML would write it (tuples as lists)."""
+  return list(v) if isinstance(v, tuple) else v
+
+
+def parse_cli(parser, argv=None):
+  """Adds --config and dotted overrides to `parser`, parses `argv` and loads the config; a bad
+  config ends the program with exit code 2 and a one-line message. Returns (args, config)."""
+  parser.add_argument("--config", help="YAML config file (default: every setting at its default)")
+  parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=5")
+  args = parser.parse_args(argv)
+  try:
+    return args, load_config(args.config, args.overrides)
+  except ConfigError as e:
+    print(f"config error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None

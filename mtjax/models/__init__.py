@@ -1,0 +1,262 @@
+"""Model families: the registry, and what the rest of mtjax asks of a model.
+
+A family (one module here each: llama, gemma, phi3, olmo2, mixtral, qwen_moe, gpt_oss, deepseek)
+is registered under the `architectures` names of Hugging Face's config.json. It declares how its
+config.json reads into a `ModelConfig` and back, and where each Hugging Face tensor sits in
+mtjax's parameters. What the layers compute is the config's business (mtjax.models.layers): the
+store, engine, planner, checkpoints and export ask `spec(cfg)` for the layer kinds and their order,
+the flat layouts, parameter counts (total and active per token), FLOPs and the auxiliary loss, and
+never branch on a family's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtjax.config import ConfigError, ModelConfig
+from mtjax.layout import Layout
+from mtjax.models.layers import BlockKind, Block, Embed, Head, block_kind
+
+
+class FamilyError(ValueError):
+  """A Hugging Face checkpoint or config that no family can use; the message names what and where."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+  """One Hugging Face tensor's share of one mtjax parameter: param[dst] = T(tensor[src]).
+
+  T swaps the last two axes when `transpose` (a torch Linear keeps [out, in], flax [in, out]).
+  A fused tensor (Phi-3's qkv_proj) is several pieces of one name; a stacked parameter (experts
+  [E, D, F]) is filled by one piece per per-expert tensor.
+  """
+  name: str  # the Hugging Face tensor
+  shape: tuple[int, ...]  # its shape in the checkpoint
+  path: tuple[str, ...]  # the mtjax parameter inside its group
+  src: tuple = ()  # index into the Hugging Face tensor; () is all of it
+  dst: tuple = ()  # index into the mtjax parameter; () is all of it
+  transpose: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """A model family: its Hugging Face names, config translation and tensor map.
+
+  Attributes:
+    name: the registry name (`model.family`).
+    architectures: the config.json `architectures` it reads.
+    read_config: (config.json dict, where) -> ModelConfig fields; raises FamilyError on what mtjax
+      would compute differently.
+    write_config: (ModelConfig, dtype) -> config.json dict for an export without a source.
+    pieces: (ModelConfig, group name, layout) -> the Pieces of one group ("embed", "block_<i>",
+      "head").
+    aux_loss: the model's auxiliary loss from the blocks' sums (see `ModelSpec.aux_loss`); None
+      takes mtjax.models.moe.aux_loss for a mixture of experts.
+    ignored: names of checkpoint tensors that are not weights (derived buffers), tolerated.
+    notes: what it supports and what not, one line (README's family table).
+  """
+  name: str
+  architectures: tuple[str, ...]
+  read_config: Callable[[dict, str], dict]
+  write_config: Callable[[ModelConfig, str], dict]
+  pieces: Callable[[ModelConfig, str, Layout], list[Piece]]
+  aux_loss: Callable | None = None
+  ignored: Callable[[str], bool] = lambda name: name.endswith(".rotary_emb.inv_freq")
+  notes: str = ""
+
+
+FAMILIES: dict[str, Family] = {}
+_MODULES = ("llama", "gemma", "phi3", "olmo2", "mixtral", "qwen_moe", "gpt_oss", "deepseek")
+
+
+def register(family: Family) -> Family:
+  FAMILIES[family.name] = family
+  return family
+
+
+@functools.cache
+def _load_all():
+  for m in _MODULES:
+    try:
+      importlib.import_module(f"mtjax.models.{m}")
+    except ModuleNotFoundError as e:
+      if e.name != f"mtjax.models.{m}":
+        raise
+
+
+def families() -> dict[str, Family]:
+  """Every registered family by name."""
+  _load_all()
+  return FAMILIES
+
+
+def get(name: str) -> Family:
+  fams = families()
+  if name not in fams:
+    raise ConfigError(f"model.family: {name!r} is not one of {', '.join(sorted(fams))}")
+  return fams[name]
+
+
+def for_architecture(arch: str, where: str = "config.json") -> Family:
+  for f in families().values():
+    if arch in f.architectures:
+      return f
+  supported = sorted(a for f in families().values() for a in f.architectures)
+  raise FamilyError(f"{where}: architecture {arch!r} unsupported; supported: "
+                    f"{', '.join(supported)}")
+
+
+def read_hf_config(config: dict, where: str = "config.json") -> dict:
+  """ModelConfig fields (family included) from a parsed Hugging Face config.json."""
+  archs = config.get("architectures") or []
+  if not isinstance(archs, list) or len(archs) != 1:
+    raise FamilyError(f"{where}: architectures {archs} unsupported (expected one name)")
+  family = for_architecture(archs[0], where)
+  return {"family": family.name, **family.read_config(config, where)}
+
+
+# ------------------------------------------------------------------------------------ the spec
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """Everything the rest of mtjax needs to know of a model, from its config alone."""
+  cfg: ModelConfig
+  family: Family
+  groups: tuple[tuple[str, str], ...]  # (group name, kind) in forward order
+  kinds: dict  # block kind name -> BlockKind
+  layouts: dict  # kind name ("embed", "head", each block kind) -> Layout
+
+  def block(self, kind: str, implementation: str | None = None, seq_tile: int | None = None,
+            moe_impl: str = "ragged") -> Block:
+    return Block(self.cfg, self.kinds[kind], implementation, seq_tile, moe_impl)
+
+  def embed(self, dtype=jnp.float32) -> Embed:
+    return Embed(self.cfg, dtype)
+
+  def head(self) -> Head:
+    return Head(self.cfg)
+
+  def group_layout(self, group: str) -> Layout:
+    return self.layouts[dict(self.groups)[group]]
+
+  @functools.cached_property
+  def counts(self) -> dict[str, int]:
+    """Parameters: `total`, `active` per token (a mixture's unchosen experts left out), and of
+    each kind (`embed`, `head`, each block kind) one group's."""
+    out = {k: lay.size for k, lay in self.layouts.items()}
+    out["total"] = sum(self.layouts[k].size for _, k in self.groups)
+    out["active"] = out["total"] - sum(self.inactive(k) for _, k in self.groups)
+    return out
+
+  def inactive(self, kind: str) -> int:
+    """Parameters of one group of `kind` a token does not use: the routed experts it is not sent
+    to (their stacked tensors' share (E - k) / E)."""
+    moe = self.cfg.moe
+    if kind not in self.kinds or not self.kinds[kind].moe:
+      return 0
+    lay = self.layouts[kind]
+    experts = sum(int(np.prod(s)) for p, s in zip(lay.paths, lay.shapes) if "experts" in p)
+    return experts * (moe.experts - moe.experts_per_token) // moe.experts
+
+  def matmul_params(self, kind: str) -> int:
+    """One group's matrix parameters a token multiplies by (active experts only)."""
+    lay = self.layouts[kind]
+    mats = sum(int(np.prod(s)) for s in lay.shapes if len(s) >= 2)
+    return mats - self.inactive(kind)
+
+  def attention_pairs(self, layer: int, batch: int, seq: int, causal_half: bool) -> float:
+    """(query, key) pairs one layer scores over a batch: all T^2 of them, or the causal ones a
+    flash kernel computes; a sliding layer only those within its window."""
+    window = self.cfg.sliding_window if self.cfg.layer_type(layer) == "sliding" else None
+    if window is not None and window < seq:  # sum over queries of min(i + 1, W)
+      return float(batch * (window * seq - window * (window - 1) / 2))
+    return float(batch * seq * (seq + 1) / 2 if causal_half else batch * seq * seq)
+
+  @property
+  def attention_widths(self) -> tuple[int, int, int]:
+    """(query heads, query/key width, value width) per head."""
+    m = self.cfg
+    if m.mla is not None:
+      return m.heads, m.mla.qk_nope_dim + m.mla.qk_rope_dim, m.mla.v_dim
+    return m.heads, m.dim_per_head, m.dim_per_head
+
+  def attention_forward_flops(self, batch: int, seq: int, causal_half: bool) -> float:
+    """All blocks' attention matmuls (scores and values) in the forward."""
+    N, dqk, dv = self.attention_widths
+    return sum(2 * N * (dqk + dv) * self.attention_pairs(i, batch, seq, causal_half)
+               for i in range(self.cfg.layers))
+
+  def aux_loss(self, sums: list[dict]):
+    """(loss, metrics) of the blocks' auxiliary sums, one dict per block in order (empty for a
+    dense block): the family's auxiliary loss, else a mixture's load balance and z-loss
+    (mtjax.models.moe.aux_loss, weighted by the config's coefficients)."""
+    if not self.has_aux:
+      return jnp.zeros((), jnp.float32), {}
+    from mtjax.models import moe  # noqa: PLC0415 - loaded with the first MoE model
+    return (self.family.aux_loss or moe.aux_loss)(self.cfg, sums)
+
+  @property
+  def has_aux(self) -> bool:
+    """Whether blocks return sums an auxiliary loss (and its metrics) is made of."""
+    return any(k.moe for k in self.kinds.values())
+
+  def init_value(self, path: tuple[str, ...]) -> str:
+    """How a parameter starts: "normal" (N(0, init_std)), "ones" or "zeros"."""
+    leaf = path[-1]
+    if leaf == "scale":
+      return "zeros" if self.cfg.norm_offset else "ones"
+    if leaf in ("bias", "sinks", "e_bias"):
+      return "zeros"
+    return "normal"
+
+
+def _layouts(cfg: ModelConfig, kinds: dict) -> dict[str, Layout]:
+  """The flat layouts of every layer kind, from shapes alone: nothing is allocated and the jax
+  backend does not start (the planner runs before it may)."""
+  def shapes(module, *args):
+    # Inputs made inside the traced function: abstract, no device array.
+    return jax.eval_shape(lambda: module.init(jax.random.key(0), *(
+        jnp.zeros(shape, dtype) for shape, dtype in args)))["params"]
+
+  x = ((1, 2, cfg.hidden), jnp.float32)
+  out = {"embed": shapes(Embed(cfg), ((1, 2), jnp.int32)),
+         "head": shapes(Head(cfg), x, ((cfg.vocab_size, cfg.hidden), jnp.float32))}
+  for name, kind in kinds.items():
+    out[name] = shapes(Block(cfg, kind), x)
+  return {k: Layout.from_shapes(v) for k, v in out.items()}
+
+
+@functools.lru_cache(maxsize=64)
+def spec(cfg: ModelConfig) -> ModelSpec:
+  """The model spec of `cfg`: its family, layer kinds in order, layouts and counts."""
+  family = get(cfg.family)
+  order = [block_kind(cfg, i) for i in range(cfg.layers)]
+  kinds = {k.name: k for k in order}
+  groups = (("embed", "embed"), *((f"block_{i}", k.name) for i, k in enumerate(order)),
+            ("head", "head"))
+  return ModelSpec(cfg, family, groups, kinds, _layouts(cfg, kinds))
+
+
+def group_names(cfg: ModelConfig) -> list[str]:
+  """The layer groups in forward order: embed, block_0 .. block_{L-1}, head."""
+  return ["embed"] + [f"block_{i}" for i in range(cfg.layers)] + ["head"]
+
+
+def block_index(group: str) -> int | None:
+  """i of "block_<i>", else None."""
+  if group.startswith("block_") and group[6:].isdigit():
+    return int(group[6:])
+  return None
+
+
+__all__ = ["BlockKind", "FAMILIES", "Family", "FamilyError", "ModelSpec", "Piece", "block_index",
+           "families", "for_architecture", "get", "group_names", "read_hf_config", "register",
+           "spec"]

@@ -1,0 +1,456 @@
+"""The layer math every family shares: pure Flax modules for the embedding, one decoder block and
+the LM head, configured by `ModelConfig`'s fields (norm placement, attention variants, the MLP's
+activation, a mixture of experts).
+
+Each module is a stateless template: `Module(...).apply({"params": p}, ...)` is a pure function of
+one layer's parameters and its inputs. The streaming engine binds whichever layer's weights just
+arrived on the device; nothing here knows about hosts, streams or optimizers. A block returns its
+output and a dict of auxiliary sums (empty for a dense block; a mixture of experts' router
+statistics, see mtjax.models.moe) that the model's auxiliary loss is computed from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from mtjax import attention
+from mtjax.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockKind:
+  """What distinguishes one layer kind from another: one compiled executable per kind."""
+  layer_type: str = "full"  # full attention, or a sliding window
+  moe: bool = False  # a mixture-of-experts feed-forward instead of the dense MLP
+
+  @property
+  def name(self) -> str:
+    return "block" + ("_sliding" if self.layer_type == "sliding" else "") + ("_moe" if self.moe else "")
+
+
+def block_kind(cfg: ModelConfig, i: int) -> BlockKind:
+  return BlockKind(cfg.layer_type(i), cfg.is_moe_layer(i))
+
+
+# ---------------------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(cfg: ModelConfig, layer_type: str = "full", long: bool = False
+                  ) -> tuple[jax.Array, float]:
+  """Per-pair rotation frequencies of the RoPE channels and the factor cos/sin are scaled by.
+
+  Sliding layers with `rope_local_theta` (Gemma 3) rotate by that base, unscaled. `longrope`
+  takes its long factors when `long` (see `rope_tables`).
+  """
+  dim = cfg.rotary_dim
+  theta = cfg.rope_theta
+  scaling = cfg.rope_scaling
+  if layer_type == "sliding" and cfg.rope_local_theta is not None:
+    theta, scaling = cfg.rope_local_theta, "none"
+  exponent = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
+  inv_freq = 1.0 / (theta ** exponent)
+  factor = 1.0
+  if scaling == "linear":
+    inv_freq = inv_freq / cfg.rope_factor
+  elif scaling == "llama3":
+    low_wavelen = cfg.rope_original_max_len / cfg.rope_low_freq_factor
+    high_wavelen = cfg.rope_original_max_len / cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / cfg.rope_factor, inv_freq)
+    smooth = ((cfg.rope_original_max_len / wavelen - cfg.rope_low_freq_factor)
+              / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor))
+    smoothed = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    inv_freq = jnp.where(medium, smoothed, scaled)
+  elif scaling == "longrope":
+    ext = jnp.asarray(cfg.rope_long_factor if long else cfg.rope_short_factor, jnp.float32)
+    inv_freq = 1.0 / (ext * theta ** exponent)
+    f = cfg.rope_factor
+    factor = 1.0 if f <= 1 else math.sqrt(1 + math.log(f) / math.log(cfg.rope_original_max_len))
+  elif scaling == "yarn":
+    inv_freq, factor = _yarn(cfg, theta, dim)
+  if scaling != "none" and cfg.rope_attention_factor is not None:
+    factor = cfg.rope_attention_factor
+  return inv_freq, factor
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+  """YaRN's attention temperature: 0.1 * mscale * ln(scale) + 1 (1 for scale <= 1)."""
+  return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(cfg: ModelConfig, theta: float, dim: int) -> tuple[jax.Array, float]:
+  """YaRN: interpolated low frequencies, extrapolated high ones, a linear ramp between."""
+  f, orig = cfg.rope_factor, cfg.rope_original_max_len
+  if cfg.rope_mscale and cfg.rope_mscale_all_dim:
+    factor = yarn_mscale(f, cfg.rope_mscale) / yarn_mscale(f, cfg.rope_mscale_all_dim)
+  else:
+    factor = yarn_mscale(f)
+
+  def correction_dim(rotations):
+    return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+  low, high = correction_dim(cfg.rope_beta_fast), correction_dim(cfg.rope_beta_slow)
+  if cfg.rope_truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, dim - 1)
+  if low == high:
+    high += 0.001  # as transformers: no zero-width ramp
+  ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+  pos_freqs = theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+  extrapolated = 1.0 - ramp
+  inv_freq = (1.0 / (f * pos_freqs)) * (1 - extrapolated) + (1.0 / pos_freqs) * extrapolated
+  return inv_freq, factor
+
+
+def rope_tables(cfg: ModelConfig, positions_BxT: jax.Array, layer_type: str = "full"
+                ) -> tuple[jax.Array, jax.Array]:
+  """cos and sin of position x frequency, [B, T, R/2] fp32, scaled by the rule's factor.
+
+  Per-token inputs of the q/k projections, computed once per sequence (not per tile).
+  `longrope` takes its long factors when the longest position exceeds the pre-training length,
+  as transformers decides per batch.
+  """
+  inv_freq, factor = rope_inv_freq(cfg, layer_type)
+  if cfg.rope_scaling == "longrope" and not (layer_type == "sliding" and cfg.rope_local_theta):
+    long = jnp.max(positions_BxT) + 1 > cfg.rope_original_max_len
+    inv_freq = jnp.where(long, rope_inv_freq(cfg, layer_type, long=True)[0], inv_freq)
+  angles_BxTxR2 = positions_BxT.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
+  return jnp.cos(angles_BxTxR2) * factor, jnp.sin(angles_BxTxR2) * factor
+
+
+def apply_rope(x_BxTxNxH: jax.Array, cos_BxTxR2: jax.Array, sin_BxTxR2: jax.Array,
+               interleaved: bool = False) -> jax.Array:
+  """Rotates the first R channels (R/2 the tables' width) by the tables (fp32); the rest pass.
+
+  Pairs are (i, i + R/2) of the R rotated channels, as transformers' rotate_half; `interleaved`
+  pairs (2i, 2i + 1) instead (DeepSeek's checkpoints).
+  """
+  R = 2 * cos_BxTxR2.shape[-1]
+  cos, sin = cos_BxTxR2[:, :, None, :], sin_BxTxR2[:, :, None, :]
+  x = x_BxTxNxH.astype(jnp.float32)
+  rot, rest = x[..., :R], x[..., R:]
+  if interleaved:  # (2i, 2i+1) pairs: de-interleave, rotate as halves, interleave back
+    x1, x2 = rot[..., 0::2], rot[..., 1::2]
+    y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    rot = jnp.stack([y1, y2], axis=-1).reshape(rot.shape)
+  else:
+    x1, x2 = jnp.split(rot, 2, axis=-1)
+    rot = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  out = jnp.concatenate([rot, rest], axis=-1) if R < x.shape[-1] else rot
+  return out.astype(x_BxTxNxH.dtype)
+
+
+# ---------------------------------------------------------------------------------------- pieces
+
+
+@flax.struct.dataclass
+class Ctx:
+  """Per-token context every layer is called with, beside its weights and activations.
+
+  `positions` feed RoPE (packed documents restart at 0); `segments` keep attention inside a
+  document (None: each row is one document). The per-token loss weights live with the head's
+  targets, not here: blocks never see them.
+  """
+  positions: jax.Array  # [B, T] int32
+  segments: jax.Array | None = None  # [B, T] int32 document ids, or None
+
+  @classmethod
+  def default(cls, B: int, T: int) -> "Ctx":
+    return cls(jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], (B, T)))
+
+
+class RMSNorm(nn.Module):
+  """RMSNorm over the last axis in fp32; with `offset` the weight w scales by (1 + w) (Gemma)."""
+  eps: float
+  offset: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    init = nn.initializers.zeros if self.offset else nn.initializers.ones
+    scale = self.param("scale", init, (x.shape[-1],), jnp.float32)
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    shape = (1,) * (x.ndim - 1) + (-1,)
+    if self.offset:  # Gemma multiplies in fp32 and casts once
+      return (normed * (1.0 + scale.reshape(shape))).astype(x.dtype)
+    return normed.astype(x.dtype) * scale.astype(x.dtype).reshape(shape)
+
+
+def dense(features, name=None, bias=False):
+  return nn.Dense(features, use_bias=bias, name=name, param_dtype=jnp.float32)
+
+
+def softcap(x, cap: float | None):
+  return x if cap is None else jnp.tanh(x / cap) * cap
+
+
+def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, segments_BxT, *, implementation: str | None,
+           window: int | None = None, softcap_: float | None = None, scale: float | None = None,
+           sinks_N=None):
+  """Causal attention over the sequence with the layer's options, by the chosen kernel.
+
+  cuDNN's fused kernel takes a causal window but no document mask, logit cap, sinks or value
+  width of its own: those go to the blockwise kernel, which takes them all and never builds a
+  [T x T] tensor. `xla` computes the scores whole (short sequences, the CPU).
+  """
+  fused_ok = (segments_BxT is None and softcap_ is None and sinks_N is None
+              and v_BxSxKxV.shape[-1] == q_BxTxNxH.shape[-1])
+  impl = implementation
+  if impl == "cudnn" and not fused_ok:
+    impl = "blockwise"
+  if impl == "cudnn":
+    local = None if window is None else (window - 1, 0)
+    return jax.nn.dot_product_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, is_causal=True,
+                                        scale=scale, local_window_size=local,
+                                        implementation="cudnn")
+  kw = dict(segments_q_BxT=segments_BxT, segments_k_BxS=segments_BxT, causal=True, scale=scale,
+            window=window, softcap=softcap_, sinks_N=sinks_N)
+  if impl == "blockwise":
+    return attention.blockwise_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, **kw)
+  return attention.dense_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, **kw)
+
+
+class Attention(nn.Module):
+  """Causal GQA attention with RoPE, in per-token (`qkv`, `out`) and sequence (`core`) parts.
+
+  Options from the config: q/k/v (and o) biases, q/k norms per head or over the whole projection,
+  a sliding window for sliding layers, logit soft-capping, a logit scale, attention sinks.
+  """
+  cfg: ModelConfig
+  layer_type: str = "full"
+  implementation: str | None = None
+
+  def setup(self):
+    cfg = self.cfg
+    H, K, hd = cfg.heads, cfg.n_kv_heads, cfg.dim_per_head
+    self.q = dense(H * hd, bias=cfg.qkv_bias)
+    self.k = dense(K * hd, bias=cfg.qkv_bias)
+    self.v = dense(K * hd, bias=cfg.qkv_bias)
+    self.o = dense(cfg.hidden, bias=cfg.o_bias)
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(cfg.norm_eps, cfg.norm_offset)
+      self.k_norm = RMSNorm(cfg.norm_eps, cfg.norm_offset)
+    if cfg.attention_sinks:
+      self.sinks = self.param("sinks", nn.initializers.zeros, (H,), jnp.float32)
+
+  def rope(self, positions_BxT):
+    """This layer's RoPE tables (`rope_tables`)."""
+    return rope_tables(self.cfg, positions_BxT, self.layer_type)
+
+  def qkv(self, x_BxTxD, cos_BxTxR2, sin_BxTxR2):
+    """Queries, keys and values with RoPE applied; each token's from its own input alone."""
+    cfg = self.cfg
+    B, T, _ = x_BxTxD.shape
+    H, K, hd = cfg.heads, cfg.n_kv_heads, cfg.dim_per_head
+    q, k, v = self.q(x_BxTxD), self.k(x_BxTxD), self.v(x_BxTxD)
+    if cfg.qk_norm and cfg.qk_norm_scope == "all":  # OLMo 2: over the whole projection
+      q, k = self.q_norm(q), self.k_norm(k)
+    q, k, v = q.reshape(B, T, H, hd), k.reshape(B, T, K, hd), v.reshape(B, T, K, hd)
+    if cfg.qk_norm and cfg.qk_norm_scope == "head":
+      q, k = self.q_norm(q), self.k_norm(k)
+    return apply_rope(q, cos_BxTxR2, sin_BxTxR2), apply_rope(k, cos_BxTxR2, sin_BxTxR2), v
+
+  def core(self, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segments_BxT):
+    """Attention over the sequence: [B, T, N * H], before the output projection."""
+    cfg = self.cfg
+    B, T, N, _ = q_BxTxNxH.shape
+    window = cfg.sliding_window if self.layer_type == "sliding" else None
+    out = attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segments_BxT,
+                 implementation=self.implementation, window=window, softcap_=cfg.attn_softcap,
+                 scale=cfg.query_scale, sinks_N=self.sinks if cfg.attention_sinks else None)
+    return out.reshape(B, T, -1)
+
+  def out(self, a_BxTxE):
+    return self.o(a_BxTxE)
+
+  def __call__(self, x_BxTxD, ctx: Ctx | None = None):
+    B, T, _ = x_BxTxD.shape
+    ctx = Ctx.default(B, T) if ctx is None else ctx
+    return self.out(self.core(*self.qkv(x_BxTxD, *self.rope(ctx.positions)), ctx.segments))
+
+
+def activate(cfg: ModelConfig, gate, up):
+  """The gated MLP's activation: silu(gate) * up, gelu_tanh(gate) * up, or GPT-OSS's clamped
+  SwiGLU (gate capped above, up within +-limit, gate * sigmoid(alpha * gate) * (up + 1))."""
+  if cfg.mlp_act == "silu":
+    return nn.silu(gate) * up
+  if cfg.mlp_act == "gelu_tanh":
+    return nn.gelu(gate, approximate=True) * up
+  limit = cfg.swiglu_limit
+  gate = jnp.minimum(gate, limit)
+  up = jnp.clip(up, -limit, limit)
+  return gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha) * (up + 1)
+
+
+class MLP(nn.Module):
+  """The gated MLP: down(act(gate(x)) * up(x))."""
+  cfg: ModelConfig
+  width: int
+
+  @nn.compact
+  def __call__(self, x):
+    bias = self.cfg.mlp_bias
+    gate = dense(self.width, "gate", bias)(x)
+    up = dense(self.width, "up", bias)(x)
+    return dense(self.cfg.hidden, "down", bias)(activate(self.cfg, gate, up))
+
+
+class Block(nn.Module):
+  """One decoder layer: attention and feed-forward sub-layers with residuals, the norms where the
+  config puts them (`pre`: before each, Llama; `sandwich`: before and after, Gemma; `post`: after
+  only, OLMo 2). Returns (output, auxiliary sums).
+
+  With `seq_tile`, everything but the attention core (which is blockwise already, or [T x T]
+  anyway) runs `seq_tile` tokens at a time, each tile recomputed in the backward: the input norm
+  and q/k/v projections before it, the output projection, MLP and residuals after it. A layer's
+  working set is then bounded by the tile, not by T x ffn. Same parameters either way.
+  """
+  cfg: ModelConfig
+  kind: BlockKind = BlockKind()
+  implementation: str | None = None
+  seq_tile: int | None = None
+  moe_impl: str = "ragged"
+
+  def setup(self):
+    cfg = self.cfg
+    norm = lambda: RMSNorm(cfg.norm_eps, cfg.norm_offset)
+    if cfg.norm_position != "post":
+      self.attn_norm, self.mlp_norm = norm(), norm()
+    if cfg.norm_position != "pre":
+      self.post_attn_norm, self.post_mlp_norm = norm(), norm()
+    if cfg.mla is not None:
+      from mtjax.models import mla  # noqa: PLC0415 - a family's module, loaded when used
+      self.attn = mla.LatentAttention(cfg, self.kind.layer_type, self.implementation)
+    else:
+      self.attn = Attention(cfg, self.kind.layer_type, self.implementation)
+    if self.kind.moe:
+      from mtjax.models import moe  # noqa: PLC0415
+      self.mlp = moe.MoE(cfg, self.moe_impl)
+    else:
+      self.mlp = MLP(cfg, cfg.ffn)
+
+  def _qkv(self, x_BxTxD, cos_BxTxR2, sin_BxTxR2):
+    h = x_BxTxD if self.cfg.norm_position == "post" else self.attn_norm(x_BxTxD)
+    return self.attn.qkv(h, cos_BxTxR2, sin_BxTxR2)
+
+  def _out(self, x_BxTxD, a_BxTxE, valid_BxT):
+    """The residual stream after attention's output projection and the feed-forward sub-layer,
+    and the feed-forward's auxiliary sums over the tokens `valid_BxT` marks."""
+    post = self.cfg.norm_position != "pre"
+    o = self.attn.out(a_BxTxE)
+    h = x_BxTxD + (self.post_attn_norm(o) if post else o)
+    m_in = h if self.cfg.norm_position == "post" else self.mlp_norm(h)
+    if self.kind.moe:
+      m, aux = self.mlp(m_in, valid_BxT)
+    else:
+      m, aux = self.mlp(m_in), {}
+    return h + (self.post_mlp_norm(m) if post else m), aux
+
+  def __call__(self, x_BxTxD, ctx: Ctx | None = None):
+    B, T, _ = x_BxTxD.shape
+    ctx = Ctx.default(B, T) if ctx is None else ctx
+    q, k, v = self._per_token(Block._qkv, x_BxTxD, *self.attn.rope(ctx.positions))
+    a_BxTxE = self.attn.core(q, k, v, ctx.segments)
+    valid_BxT = jnp.ones((B, T), jnp.float32)
+    y, aux = self._per_token(Block._out, x_BxTxD, a_BxTxE, valid_BxT, sums=True)
+    return y, aux
+
+  def _per_token(self, method, *xs_BxT, sums: bool = False):
+    """`method(self, *xs_BxT)`, for a method that treats each token alone, `seq_tile` at a time.
+
+    Each tile runs under jax.checkpoint inside lax.map: differentiated, only the tiles' inputs are
+    kept and a tile's intermediates (the MLP's [B, tile, ffn]) are recomputed in its backward, so
+    the working set is bounded by the tile, not by T. The tiles apply this block's own params (the
+    tree is the untiled one), taken into the loop in fp32 so that their gradient sums over the
+    tiles in fp32: bf16 weights get it rounded once, not once per tile (for one fp32 copy of the
+    layer's weights). A T that is no multiple of the tile is padded with copies of its last token:
+    finite wherever the real tokens are, and their outputs are dropped, so they add exact zeros to
+    every gradient. With `sums`, the method returns (per-token outputs, sums over the tokens) and
+    its last input marks the real tokens: the padding is marked 0, so no sum counts it.
+    """
+    B, T = xs_BxT[0].shape[:2]
+    tile = self.seq_tile
+    if tile is None or T <= tile or self.is_initializing():  # init: the untiled tree, as is
+      return method(self, *xs_BxT)
+    params = self.variables["params"]
+    dtypes = jax.tree.map(lambda p: p.dtype, params)
+    template = self.clone(parent=None)  # unbound: a pure function
+
+    @jax.checkpoint
+    def one(params32, xs):
+      params = jax.tree.map(lambda p, dtype: p.astype(dtype), params32, dtypes)
+      return template.apply({"params": params}, *xs, method=method)
+
+    params32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    n = -(-T // tile)
+
+    def pad(a, last):
+      widths = [(0, 0), (0, n * tile - T)] + [(0, 0)] * (a.ndim - 2)
+      return jnp.pad(a, widths) if last else jnp.pad(a, widths, mode="edge")
+
+    last = len(xs_BxT) - 1 if sums else -1
+    tiles = tuple(jnp.moveaxis(pad(a, i == last).reshape(B, n, tile, *a.shape[2:]), 1, 0)
+                  for i, a in enumerate(xs_BxT))
+    ys = jax.lax.map(lambda xs: one(params32, xs), tiles)
+    untile = lambda y: jnp.moveaxis(y, 0, 1).reshape(B, n * tile, *y.shape[3:])[:, :T]
+    if sums:
+      y, aux = ys
+      return jax.tree.map(untile, y), jax.tree.map(lambda a: a.sum(0), aux)
+    return jax.tree.map(untile, ys)
+
+
+class Embed(nn.Module):
+  """The token embedding; Gemma scales it by sqrt(hidden), rounded to the activations' dtype."""
+  cfg: ModelConfig
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, tokens_BxT):
+    table = self.param("table", nn.initializers.normal(self.cfg.init_std),
+                       (self.cfg.vocab_size, self.cfg.hidden), jnp.float32)
+    x = jnp.take(table.astype(self.dtype), tokens_BxT, axis=0)
+    return x * jnp.asarray(self.scale, self.dtype) if self.cfg.embed_scale else x
+
+  @property
+  def scale(self) -> float:
+    return math.sqrt(self.cfg.hidden) if self.cfg.embed_scale else 1.0
+
+
+class Head(nn.Module):
+  """Final RMSNorm and the LM head (soft-capped logits where the config says); with tied
+  embeddings the caller passes the embedding table."""
+  cfg: ModelConfig
+
+  def setup(self):
+    self.norm = RMSNorm(self.cfg.norm_eps, self.cfg.norm_offset, name="norm")
+    if not self.cfg.tie_embeddings:
+      self.out = self.param("out", nn.initializers.normal(self.cfg.init_std),
+                            (self.cfg.hidden, self.cfg.vocab_size), jnp.float32)
+
+  def normalize(self, h):
+    return self.norm(h)
+
+  def logits(self, hn_NxD, table_VxD=None):
+    w_DxV = table_VxD.T if self.cfg.tie_embeddings else self.out
+    logits = hn_NxD @ w_DxV.astype(hn_NxD.dtype)
+    if self.cfg.final_softcap is None:
+      return logits
+    return softcap(logits.astype(jnp.float32), self.cfg.final_softcap)
+
+  def __call__(self, h, table_VxD=None):
+    return self.logits(self.normalize(h), table_VxD)
+
+
+def token_nll(logits_NxV: jax.Array, targets_N: jax.Array) -> jax.Array:
+  """Cross-entropy per token, computed in fp32."""
+  logits = logits_NxV.astype(jnp.float32)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  picked = jnp.take_along_axis(logits, targets_N[:, None], axis=-1)[:, 0]
+  return lse - picked
