@@ -16,8 +16,6 @@ the caller's other implementation. Imported only on a GPU: the kernels import Mo
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -50,9 +48,22 @@ def _weight_grad(x_MxD, dy_MxF, sizes_E):
                                  max_concurrent_steps=1, grid_block_n=1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=())
+ROWS = 128  # the kernels tile the rows: M is padded to a multiple (rows in no group, dropped)
+
+
+def _pad_rows(a):
+  pad = -a.shape[0] % ROWS
+  return jnp.pad(a, ((0, pad), (0, 0))) if pad else a
+
+
 def grouped_matmul(x_MxD, w_ExDxF, sizes_E):
   """Rows of x sorted by group times their group's matrix, [M, F], on Mosaic-GPU kernels."""
+  M = x_MxD.shape[0]
+  return _grouped(_pad_rows(x_MxD), w_ExDxF, sizes_E)[:M]
+
+
+@jax.custom_vjp
+def _grouped(x_MxD, w_ExDxF, sizes_E):
   return _forward(x_MxD, w_ExDxF, sizes_E)
 
 
@@ -68,4 +79,4 @@ def _bwd(residuals, dy_MxF):
   return dx, dw, None
 
 
-grouped_matmul.defvjp(_fwd, _bwd)
+_grouped.defvjp(_fwd, _bwd)
