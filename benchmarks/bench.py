@@ -469,7 +469,7 @@ def main(argv=None):
       compute_s = (device_compute_s(c, batches(0))
                    if system != "mtjax-serial" and not args.no_idle else None)
       # This configuration's own lower bound (its placement moves work between host and link).
-      own_roofline = plan_lib.make(c, rates=measured).predicted_step_s
+      own_roofline = plan_lib.make(c, rates=measured).roofline_s
       allocated = r["allocated"]
       records.append(record(
           system, r["step_s"], host_bytes_per_param=(allocated["host"] + allocated["pinned"]) / n,

@@ -17,7 +17,8 @@ base = config.from_dict({
     "model": dict(vocab_size=128, hidden=64, layers=3, heads=4, kv_heads=2, ffn=96,
                   qkv_bias=True),
     "engine": dict(compute_dtype="float32", loss_chunk=96, micro_batch=2,
-                   matmul_precision="highest", device_state_layers=0),
+                   matmul_precision="highest", device_state_layers=0,
+                   device_update_layers=0),
     "optim": dict(lr=1e-2, warmup_steps=1, clip_norm=0.5),
     "train": dict(batch=4, seq=32, steps=3)})
 plan.prepare(base)

@@ -111,7 +111,8 @@ import mtjax  # noqa: E402
 from mtjax import checkpoint, cli, store  # noqa: E402
 
 cfg = cli.load_config(ROOT / "configs/finetune.yaml", [f"model.from_hf={model_dir}", f"data.path={data_dir}",
-                                                   "engine.device_state_layers=0"])
+                                                   "engine.device_state_layers=0",
+                                                   "engine.device_update_layers=0"])
 st = store.create(cfg, jax.random.key(0))
 checkpoint.restore(st, checkpoint.latest(work / "ck"))
 ids = np.random.default_rng(0).integers(0, V, (2, 256)).astype(np.int32)

@@ -248,8 +248,8 @@ class EngineConfig:
   matmul_precision: Literal["default", "high", "highest"] = "default"  # highest: true fp32 matmuls on GPU (no TF32)
   inflight_layers: int = 2  # layers the host may queue ahead of the device (bounds device memory)
   grad_queue: int | Literal["auto"] = 4  # host-group gradients awaiting the host optimizer before the device waits (bounds host buffers); auto: the planner picks
-  device_state_layers: int | Literal["auto"] = "auto"  # first N layer groups (embedding, block 0, ...) whose weights and optimizer state live in device memory; auto: as few as make host RAM suffice
-  device_update_layers: int | Literal["auto"] = 0  # the next N groups are updated on the device, their optimizer state streamed through it; auto: the planner picks
+  device_state_layers: int | Literal["auto"] = "auto"  # first N layer groups (embedding, block 0, ...) whose weights and optimizer state live in device memory; auto: with device_update_layers, the placement the planner finds fastest among those that fit (all state on the device when it fits)
+  device_update_layers: int | Literal["auto"] = "auto"  # the next N groups are updated on the device, their optimizer state streamed through it; auto: see device_state_layers
   device_memory_gb: float | None = None  # device memory the run may use (as on a smaller card); None: 92% of the device
   devices: int | Literal["all"] = "all"  # local devices the step runs on (data-parallel over a Mesh; train.batch splits evenly over them)
   seq_tile: int | None = 16384  # longer sequences run each block's norms, projections and MLP this many tokens at a time (recomputed per tile in the backward); None: the whole sequence at once

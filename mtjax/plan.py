@@ -90,6 +90,15 @@ def hf_staging_bytes(cfg: config_lib.Config) -> int:
   return max(imported, exported)
 
 
+# An AdamW update on the device reads weights, gradient and both moments and writes weights and
+# moments back, all fp32: 28 bytes per parameter through device memory.
+DEVICE_UPDATE_BYTES = 28
+# The LM head's loss step moves each chunk's fp32 logits through device memory about six times
+# (written, max and logsumexp, softmax, its gradient written, read by two matmuls): bytes per
+# (token, vocabulary entry), beside its matmuls; a 128k vocabulary makes this 10-30% of the head.
+HEAD_LOGIT_BYTES = 24
+
+
 @dataclasses.dataclass(frozen=True)
 class Rates:
   """Machine rates for the step-time prediction (defaults: the lent H200 box, measured)."""
@@ -101,11 +110,15 @@ class Rates:
   d2h_gbps: float = 53.0  # device -> pinned host
   # The fused in-place AdamW alone, 16 cores (4.4-5.6 Gparam/s measured): the roofline's figure.
   host_adamw_gparams: float = 4.4
-  # The same loop inside a training step, beside the device's compute and copies: 4.17 Gparam/s
-  # measured at batch 8, 4.69 at batch 32 (benchmarks/results/record/). The schedule takes the
-  # lower figure, its optimistic end the higher.
-  host_adamw_in_step_gparams: float = 4.2
-  host_adamw_in_step_best_gparams: float = 4.7
+  # The same loop inside a training step, beside the device's compute and copies: fitted to the
+  # host path (every group's state on the host) on the H200 boxes lent now, the 3.37B shape at
+  # 8 x 2048 (1.269 s) and the 8B (3.090 s); with it the schedule predicts both within 1%. An
+  # earlier box ran it at 4.2 (benchmarks/results/record/): the schedule's optimistic end.
+  host_adamw_in_step_gparams: float = 3.4
+  host_adamw_in_step_best_gparams: float = 4.2
+  # The device's memory bandwidth (a large device-to-device copy, bytes read and written: 4.3 TB/s
+  # on the H200): an update on the device and the LM head's softmax are bound by it.
+  hbm_gbps: float = 4300.0
   accelerator: bool = True  # False: the CPU backend runs the layers (no CUDA runtime, no pinned pool)
 
 
@@ -128,6 +141,9 @@ class Plan:
   activations_every: int = 1  # every K-th block's input kept (resolved when auto)
   activations_on_host: int = 0  # of the kept inputs, the first ones spilled to pinned host memory
   device_tier_bytes: int = 0  # the device tier's state, all devices together
+  runner_up: tuple | None = None  # (device, stream groups, simulated step s) of the next-best placement
+  family: str = "llama"  # the model family (mtjax.models)
+  active_params: int | None = None  # parameters a token uses (a mixture's chosen experts)
 
   @property
   def device_state_layers(self) -> int:
@@ -164,7 +180,8 @@ class Plan:
     return self.device_limit is None or self.device_total <= self.device_limit
 
   @property
-  def predicted_step_s(self) -> float:
+  def roofline_s(self) -> float:
+    """The largest of the roofline terms: no schedule runs a step faster."""
     return max(self.step_s.values())
 
   def resolve(self, cfg: config_lib.Config) -> config_lib.Config:
@@ -182,14 +199,9 @@ def make(cfg: config_lib.Config, host_limit: int | None = None, device_limit: in
          pinned_cap: int | None = None) -> Plan:
   """The plan of `cfg`; an `auto` placement is resolved here, once.
 
-  `engine.device_state_layers: auto` puts no group's state in device memory when the host holds it
-  all; when it does not, at least as many as make the host fit, and more while the device has room
-  and the simulated step gets shorter (the largest count within 2% of the shortest). `engine.device_update_layers: auto` then streams, among the counts that
-  fit the device and leave 3% of the host spare (pinned state enlarges the pinned pool), the
-  largest whose simulated step (`simulate`) is within 2% of the shortest. Largest, because the host
-  optimizer shares the host's cores and memory bus with everything else the process does and the
-  device's update does not: on the H200 all groups streamed ran 22% faster than none at batch 8 and
-  tied at batch 32 (benchmarks/results/record/).
+  `engine.device_state_layers` and `engine.device_update_layers` at `auto` (the defaults) take,
+  among every pair of counts that fits both memories, all state in device memory when that fits,
+  else the pair whose simulated step (`simulate`) is the shortest (`_place`).
 
   Args:
     working: device bytes of the layer executables from `mtjax.engine.compiled_memory`; without
@@ -197,6 +209,7 @@ def make(cfg: config_lib.Config, host_limit: int | None = None, device_limit: in
     opt_bytes: optimizer-state bytes per group kind; default AdamW's 8 B/param.
     pinned_cap: the pinned pool's cap when it is fixed already (the backend has started).
   """
+  refuse_by_size(cfg, host_limit, device_limit)
   if "auto" in (cfg.engine.activations_every, cfg.engine.activations):
     return _checkpoints(cfg, lambda c: make(c, host_limit, device_limit, rates, working,
                                             opt_bytes, pinned_cap))
@@ -205,17 +218,22 @@ def make(cfg: config_lib.Config, host_limit: int | None = None, device_limit: in
   plans: dict[tuple[int, int, int], Plan] = {}
   queue = 4 if e.grad_queue == "auto" else e.grad_queue
 
-  def build(n_state, n_upd, q=None):
+  def build(n_state, n_upd, q=None, optimistic=False):
     q = queue if q is None else q
-    if (n_state, n_upd, q) not in plans:
-      plans[n_state, n_upd, q] = _make(
+    key = (n_state, n_upd, q, optimistic)
+    if key not in plans:  # the search compares pessimistic schedules; the chosen gets both
+      plans[key] = _make(
           cfg, ["device"] * n_state + ["stream"] * n_upd + ["host"] * (G - n_state - n_upd),
-          host_limit, device_limit, rates, working, opt_bytes, pinned_cap, q)
-    return plans[n_state, n_upd, q]
+          host_limit, device_limit, rates, working, opt_bytes, pinned_cap, q, optimistic)
+    return plans[key]
+
+  def final(p):
+    full = build(p.device_state_layers, p.device_update_layers, p.grad_queue, optimistic=True)
+    return dataclasses.replace(full, runner_up=p.runner_up)
 
   plan = _place(cfg, build, G, host_limit, device_limit, rates)
   if e.grad_queue != "auto":
-    return plan
+    return final(plan)
   # A deeper queue lets the device run on while the host optimizer catches up, at 4 B/param of
   # pinned gradient buffers per slot: the shallowest within 1% of the fastest that leaves 3% of
   # the host spare.
@@ -224,9 +242,10 @@ def make(cfg: config_lib.Config, host_limit: int | None = None, device_limit: in
   fits = {q: p for q, p in fits.items()
           if p.fits_host and p.fits_pool and (host_limit is None or p.host_total <= 0.97 * host_limit)}
   if not fits:
-    return plan
+    return final(plan)
   shortest = min(p.schedule_s for p in fits.values())
-  return fits[min(q for q, p in fits.items() if p.schedule_s <= shortest * 1.01)]
+  chosen = fits[min(q for q, p in fits.items() if p.schedule_s <= shortest * 1.01)]
+  return final(dataclasses.replace(chosen, runner_up=plan.runner_up))
 
 
 GRAD_QUEUES = (2, 4, 6, 8, 12, 16, 24)  # what engine.grad_queue=auto chooses among
@@ -266,46 +285,103 @@ def _checkpoints(cfg: config_lib.Config, make_plan) -> Plan:
   return best or plan
 
 
-def _place(cfg, build, G, host_limit, device_limit, rates) -> Plan:
-  """The placement part of `make`: device and stream groups (see there)."""
-  e = cfg.engine
+# A placement the planner chooses leaves this share of each memory spare: its estimates of the
+# device's (XLA's allocator) and the host's (the runtime) peaks err by a few percent.
+DEVICE_SPARE, HOST_SPARE = 0.05, 0.03
 
-  n_upd_fixed = 0 if e.device_update_layers == "auto" else e.device_update_layers
-  if e.device_state_layers == "auto":
-    # Host bytes (and pinned bytes) fall as groups move to device memory: the fewest that fit,
-    # by bisection; if none does, the plan without any (check() then says why it is refused).
-    fits = lambda k: build(k, n_upd_fixed).fits_host and build(k, n_upd_fixed).fits_pool
-    lo, hi = 0, G - n_upd_fixed
-    if fits(lo) or not fits(hi) or not rates.accelerator:
-      n_state = 0  # on the CPU backend "device" memory is host memory: nothing to gain
-    else:
-      while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-      # Once the host is full, more groups in device memory only take work off the host and the
-      # link: fill the device while it has room (5% kept spare), to the fastest simulated step.
-      times = {}
-      for k in range(hi, G - n_upd_fixed + 1):
-        p = build(k, n_upd_fixed)
-        if k > hi and not (device_limit is None or p.device_total <= 0.95 * device_limit):
-          break
-        times[k] = p.schedule_s
-      n_state = max(k for k, t in times.items() if t <= min(times.values()) * 1.02)
-  else:
-    n_state = e.device_state_layers
-  if e.device_update_layers != "auto":
-    return build(n_state, e.device_update_layers)
-  times = {}
-  for k in range(G - n_state + 1):
-    p = build(n_state, k)
-    roomy = host_limit is None or p.host_total <= 0.97 * host_limit
-    if k and not (p.fits_device and roomy and p.fits_pool):
-      break  # device bytes and the pinned pool grow with k
-    times[k] = p.schedule_s
-  shortest = min(times.values())
-  if math.isinf(shortest):
-    return build(n_state, 0)
-  return build(n_state, max(k for k, t in times.items() if t <= shortest * 1.02))
+
+EXHAUSTIVE_GROUPS = 40  # up to this many layer groups the search tries every pair
+
+
+def _place(cfg, build, G, host_limit, device_limit, rates) -> Plan:
+  """The placement part of `make`: every (device, stream) count pair that fits both memories (with
+  DEVICE_SPARE and HOST_SPARE left for an `auto` count, or without where nothing fits with them),
+  all state in device memory when it fits, else the pair with the shortest simulated step (ties:
+  more groups in device memory); an explicit count is taken as given. The runner-up is recorded in
+  the plan. Past EXHAUSTIVE_GROUPS groups a coarse grid is searched first, then every pair near
+  its best. On the CPU backend nothing moves to "device" memory (it is host memory there)."""
+  e = cfg.engine
+  auto_state, auto_upd = e.device_state_layers == "auto", e.device_update_layers == "auto"
+  if not rates.accelerator:
+    return build(0 if auto_state else e.device_state_layers, 0 if auto_upd else
+                 e.device_update_layers)
+  states = range(G + 1) if auto_state else (min(e.device_state_layers, G),)
+  upds = lambda n: (range(G - n + 1) if auto_upd else (min(e.device_update_layers, G - n),))
+  for spare in (True, False):
+    chosen = spare and (auto_state or auto_upd)
+    device_ok = lambda p: p.fits_device and (not chosen or device_limit is None or
+                                             p.device_total <= (1 - DEVICE_SPARE) * device_limit)
+    host_ok = lambda p: p.fits_host and p.fits_pool and (not chosen or host_limit is None or
+                                                         p.host_total <= (1 - HOST_SPARE) * host_limit)
+
+    def search(state_counts, upd_counts):
+      found = []
+      for n_state in state_counts:
+        fitted_device = False
+        for n_upd in upd_counts(n_state):
+          p = build(n_state, n_upd)
+          if not device_ok(p):
+            break  # device bytes grow with every streamed group
+          fitted_device = True
+          if host_ok(p):
+            found.append(p)
+        if not fitted_device and n_state:
+          break  # and with every group held in device memory
+      return found
+
+    if G <= EXHAUSTIVE_GROUPS:
+      candidates = search(states, upds)
+    else:  # a coarse grid, then every pair around its best
+      step = -(-G // 20)
+      coarse = search(states[::step] if auto_state else states,
+                      lambda n: upds(n)[::step] if auto_upd else upds(n))
+      candidates = coarse
+      if coarse:
+        b = min(coarse, key=lambda p: (p.schedule_s, -p.device_state_layers))
+        near = lambda lo, n: range(max(0, lo - step), min(n, lo + step) + 1)
+        candidates += search(
+            near(b.device_state_layers, G) if auto_state else states,
+            lambda n: (near(b.device_update_layers, G - n) if auto_upd else upds(n)))
+        candidates += [build(G, 0)] if auto_state and host_ok(build(G, 0)) and device_ok(
+            build(G, 0)) else []
+    if candidates:
+      break
+  if not candidates:  # refused by check(): the plan that comes closest says why
+    return build(0 if auto_state else e.device_state_layers,
+                 0 if auto_upd else e.device_update_layers)
+  unique = {(p.device_state_layers, p.device_update_layers): p for p in candidates}
+  ranked = sorted(unique.values(), key=lambda p: (p.schedule_s, -p.device_state_layers))
+  everything = [p for p in ranked if p.device_state_layers == G]
+  best = everything[0] if everything else ranked[0]
+  runner = next((p for p in ranked if p is not best), None)
+  if runner is None:
+    return best
+  return dataclasses.replace(best, runner_up=(runner.device_state_layers,
+                                              runner.device_update_layers, runner.schedule_s))
+
+
+def refuse_by_size(cfg: config_lib.Config, host_limit: int | None, device_limit: int | None):
+  """Raises PlanError when the state alone (weights and AdamW moments, 12 B/param) exceeds host
+  and device memory together: byte arithmetic on the config, before anything is laid out or
+  searched (an absurd size is refused at once)."""
+  if host_limit is None:
+    return
+  m = cfg.model
+  D = m.hidden
+  # A lower bound on the parameters without a layout: embedding (and head), each block's query
+  # and output projections and its feed-forward's matrices (a mixture's every expert).
+  mlp = 3 * D * m.ffn
+  if m.moe is not None:
+    mlp = min(mlp, 3 * D * m.moe.expert_ffn * m.moe.experts)
+  params = m.vocab_size * D * (1 if m.tie_embeddings else 2) + m.layers * (
+      2 * D * m.heads * m.dim_per_head + mlp)
+  state = 12 * params
+  total = host_limit + (device_limit or 0) * devices_of(cfg)
+  if state > total:
+    raise PlanError(f"does not fit in host memory and device memory together: the weights and "
+                    f"optimizer state alone need at least {state / GiB:,.1f} GiB ({params / 1e9:,.2f}B "
+                    f"params x 12 B/param) where {total / GiB:,.1f} GiB are available; use a "
+                    f"smaller model")
 
 
 def devices_of(cfg: config_lib.Config, available: int | None = None) -> int:
@@ -315,7 +391,7 @@ def devices_of(cfg: config_lib.Config, available: int | None = None) -> int:
 
 def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, rates: Rates,
           working: dict | None, opt_bytes: dict | None, pinned_cap: int | None,
-          grad_queue: int) -> Plan:
+          grad_queue: int, optimistic: bool = True) -> Plan:
   m, e, t, o = cfg.model, cfg.engine, cfg.train, cfg.optim
   nd = devices_of(cfg)  # resolved by the caller
   spec = models.spec(m)
@@ -416,8 +492,10 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
   attn_fwd = [2 * N * (dqk + dv) * spec.attention_pairs(i, t.batch, t.seq, causal < 1)
               for i in range(L)]
   # forward, its re-runs, backward (2x the forward): matmuls and causal attention
-  compute_s = seconds((6 + 2 * rerun) * sum(block_matmul) * tokens + 6 * D * V * tokens,
-                      (3 + rerun) * sum(attn_fwd))
+  compute_s = (seconds((6 + 2 * rerun) * sum(block_matmul) * tokens + 6 * D * V * tokens,
+                       (3 + rerun) * sum(attn_fwd))
+               + HEAD_LOGIT_BYTES * V * tokens / (nd * rates.hbm_gbps * 1e9)
+               + DEVICE_UPDATE_BYTES * sum(sizes[i] for i in stream_g + dev_g) / (rates.hbm_gbps * 1e9))
   ckpt_link = spilled * checkpoint
   # Host groups' weights cross twice (forward, backward; the embedding's backward needs none),
   # stream groups' optimizer state crosses both ways, device groups cross nothing.
@@ -436,7 +514,8 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
   # A block whose input was not kept has its forward re-run in the backward: (K-1)/K of them.
   layers += [Layer(sizes[i + 1], block_fwd[i], (2 + rerun) * block_fwd[i],
                    checkpoint if i % K == 0 and i // K < spilled else 0) for i in range(L)]
-  layers += [Layer(sizes[-1], seconds(6 * D * V * tokens, 0), 0.0, 0)]
+  head_s = seconds(6 * D * V * tokens, 0) + HEAD_LOGIT_BYTES * V * tokens / (nd * rates.hbm_gbps * 1e9)
+  layers += [Layer(sizes[-1], head_s, 0.0, 0)]
   if not rates.accelerator:  # the CPU backend's "device" memory is host RAM
     host["device memory (CPU backend: host RAM)"] = sum(device.values())
   fits = ((host_limit is None or sum(host.values()) <= host_limit)
@@ -446,13 +525,15 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
     sched = simulate(layers, tiers, rates, e.inflight_layers, grad_queue, clip=clip)
     best = dataclasses.replace(rates,
                                host_adamw_in_step_gparams=rates.host_adamw_in_step_best_gparams)
-    sched_best = simulate(layers, tiers, best, e.inflight_layers, grad_queue, clip=clip)
+    sched_best = (simulate(layers, tiers, best, e.inflight_layers, grad_queue, clip=clip)
+                  if optimistic else sched)
   else:
     sched = sched_best = math.inf
   return Plan(P, tuple(tiers), host, device, pinned, step_s, host_limit, device_limit, sched,
               min(sched, sched_best), working is not None, pinned_cap, grad_queue, devices=nd,
               activations_every=K, activations_on_host=spilled,
-              device_tier_bytes=sum(4 * sizes[i] + ob[i] for i in dev_g))
+              device_tier_bytes=sum(4 * sizes[i] + ob[i] for i in dev_g), family=m.family,
+              active_params=pc["active"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -486,6 +567,7 @@ def simulate(layers: list[Layer], tiers, rates: Rates, inflight: int = 2, grad_q
     tiers = ["stream"] * tiers + ["host"] * (n - tiers)
   h2d_rate, d2h_rate = rates.h2d_gbps * 1e9, rates.d2h_gbps * 1e9
   opt_rate = rates.host_adamw_in_step_gparams * 1e9
+  hbm_rate = rates.hbm_gbps * 1e9
   free = {"h2d": 0.0, "compute": 0.0, "d2h": 0.0, "opt": 0.0}
   updated = [0.0] * n  # when group g's last update finished
   moments_back = [0.0] * n  # when a stream group's optimizer state was last back in host memory
@@ -502,10 +584,10 @@ def simulate(layers: list[Layer], tiers, rates: Rates, inflight: int = 2, grad_q
     """Group g's update, its gradient ready at `ready` (on the host for host groups)."""
     lay, tier = layers[g], tiers[g]
     if tier == "stream":  # m and v go back; the device's new weights stay for the next forward
-      moments_back[g] = run("d2h", ready, 8 * lay.params / d2h_rate)
-      updated[g] = ready
+      updated[g] = run("compute", ready, lay.params * DEVICE_UPDATE_BYTES / hbm_rate)
+      moments_back[g] = run("d2h", updated[g], 8 * lay.params / d2h_rate)
     elif tier == "device":
-      updated[g] = ready
+      updated[g] = run("compute", ready, lay.params * DEVICE_UPDATE_BYTES / hbm_rate)
     else:
       updated[g] = run("opt", ready, lay.params / opt_rate)
       opt_done.append(updated[g])
@@ -642,7 +724,10 @@ def prepare(cfg: config_lib.Config, host_limit: int | None = None
   if accel:
     pinned_cap = int(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64")) * GiB
   from mtjax import engine as engine_lib, optimizer as opt_lib  # noqa: PLC0415
-  working = engine_lib.compiled_memory(cfg, device, n_all)
+  # The layer executables' device bytes from XLA's own analysis; on the CPU backend "device" memory
+  # is host memory, nothing bounds it apart from the host, and the estimate serves (each compile
+  # costs seconds there).
+  working = engine_lib.compiled_memory(cfg, device, n_all) if accel else None
   rule = opt_lib.UpdateRule(cfg.optim, cfg.decay_steps)
   opt_bytes = {k: rule.state_bytes(lay) for k, lay in models.spec(cfg.model).layouts.items()}
   plan = make(cfg, host_limit, device_memory_limit(device), Rates(accelerator=accel), working,
@@ -706,7 +791,10 @@ def check(plan: Plan) -> None:
 def format_plan(plan: Plan) -> str:
   lim = lambda x: "unknown" if x is None else f"{x / GiB:.1f} GiB"
   tiers = {t: plan.tiers.count(t) for t in ("device", "stream", "host")}
-  lines = [f"{plan.params / 1e6:,.1f}M parameters; state {plan.host_bytes_per_param:.2f} B/param; "
+  active = (f" ({plan.active_params / 1e6:,.1f}M active per token)"
+            if plan.active_params not in (None, plan.params) else "")
+  lines = [f"{plan.family}: {plan.params / 1e6:,.1f}M parameters{active}; state "
+           f"{plan.host_bytes_per_param:.2f} B/param; "
            f"layer groups: {tiers['device']} in device memory, {tiers['stream']} streamed "
            f"(device update), {tiers['host']} on the host",
            f"host memory: {plan.host_total / GiB:.2f} GiB of {lim(plan.host_limit)} "
@@ -716,7 +804,7 @@ def format_plan(plan: Plan) -> str:
   lines += [f"device memory{each}: {plan.device_total / GiB:.2f} GiB of {lim(plan.device_limit)} "
             f"({'fits' if plan.fits_device else 'DOES NOT FIT'})"]
   lines += [f"  {k:<34}{v / GiB:>9.2f} GiB" for k, v in plan.device.items() if v]
-  lines += [f"predicted step >= {plan.predicted_step_s:.3f} s (roofline: "
+  lines += [f"predicted step >= {plan.roofline_s:.3f} s (roofline: "
             + ", ".join(f"{k} {v:.3f}" for k, v in plan.step_s.items()) + ")",
             f"predicted step {plan.schedule_best_s:.3f}-{plan.schedule_s:.3f} s (the engine's "
             f"schedule, simulated; host AdamW at its best-worst in-step rate; gradient queue "
@@ -726,16 +814,90 @@ def format_plan(plan: Plan) -> str:
                if plan.activations_on_host else "") + ")",
             "device bytes of the layer executables: " + ("from XLA's analysis of the compiled code"
                                                          if plan.compiled else "estimated")]
+  if plan.runner_up is not None:
+    n_dev, n_str, t = plan.runner_up
+    lines.append(f"runner-up placement: {n_dev} groups in device memory, {n_str} streamed: "
+                 f"{t:.3f} s simulated")
   return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+  """A machine to plan for, from a YAML file (configs/machines/h200.yaml): its memories, device
+  count and rates; no accelerator needed where the plan is made."""
+  device_memory_gb: float  # each device's memory; a run may use DEVICE_MEMORY_FRACTION of it
+  devices: int  # devices the step runs on
+  host_memory_gb: float  # host RAM the process may use
+  matmul_tflops: float  # bf16 dense matmul rate
+  h2d_gbps: float  # pinned host -> device
+  d2h_gbps: float  # device -> pinned host
+  host_adamw_gparams: float  # the host AdamW inside a training step
+  attention_tflops: float = 470.0  # fused causal attention, forward and backward
+  hbm_gbps: float = 4300.0  # device memory bandwidth
+
+  @classmethod
+  def load(cls, path: str | Path) -> "Machine":
+    """Reads and checks a machine file; MachineError (one line) on anything wrong."""
+    import yaml  # noqa: PLC0415
+    try:
+      raw = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+      raise config_lib.ConfigError(f"--machine: cannot read {path} ({type(e).__name__})") from None
+    if not isinstance(raw, dict):
+      raise config_lib.ConfigError(f"--machine: {path} must hold a mapping")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    missing = sorted(f.name for f in dataclasses.fields(cls)
+                     if f.default is dataclasses.MISSING and f.name not in raw)
+    if unknown or missing:
+      raise config_lib.ConfigError(f"--machine: {path}: " + "; ".join(
+          ([f"unknown keys {unknown}"] if unknown else [])
+          + ([f"missing keys {missing}"] if missing else [])))
+    for k, v in raw.items():
+      ok = (isinstance(v, int) and not isinstance(v, bool) and v > 0) if k == "devices" else (
+          isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1e9)
+      if not ok:
+        raise config_lib.ConfigError(f"--machine: {path}: {k}={v!r} must be a positive number")
+    return cls(**raw)
+
+  def rates(self) -> Rates:
+    return Rates(matmul_tflops=self.matmul_tflops, attention_tflops=self.attention_tflops,
+                 h2d_gbps=self.h2d_gbps, d2h_gbps=self.d2h_gbps,
+                 host_adamw_gparams=self.host_adamw_gparams,
+                 host_adamw_in_step_gparams=self.host_adamw_gparams,
+                 host_adamw_in_step_best_gparams=max(self.host_adamw_gparams,
+                                                     Rates.host_adamw_in_step_best_gparams),
+                 hbm_gbps=self.hbm_gbps)
+
+  def plan(self, cfg: config_lib.Config) -> Plan:
+    """The plan of `cfg` on this machine: every `auto` resolved, device bytes estimated."""
+    cfg = _with_devices(cfg, devices_of(cfg, self.devices))
+    if cfg.train.batch % (cfg.engine.devices * (cfg.engine.micro_batch or 1)):
+      raise PlanError(f"train.batch: {cfg.train.batch} sequences do not split evenly over "
+                      f"{cfg.engine.devices} device(s)")
+    return make(cfg, host_limit=int(self.host_memory_gb * GiB),
+                device_limit=int(self.device_memory_gb * GiB * DEVICE_MEMORY_FRACTION),
+                rates=self.rates())
 
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m mtjax.plan", description=__doc__)
+  p.add_argument("--machine", help="plan for the machine this YAML file describes "
+                                   "(configs/machines/h200.yaml), not this one; no accelerator used")
   p.add_argument("--no-device", action="store_true",
                  help="plan without starting the accelerator (device bytes estimated, no device limit)")
   p.add_argument("--json", help="also write the plan's figures (bytes, seconds) to this path")
   args, cfg = cli.parse_cli(p, argv)
-  if args.no_device:
+  if args.machine:
+    try:
+      plan = Machine.load(args.machine).plan(cfg)
+    except config_lib.ConfigError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
+    except PlanError as e:
+      print(f"refused: {e}", file=sys.stderr)
+      return 1
+  elif args.no_device:
     plan = make(cfg, host_limit=host_memory_limit(),
                 rates=Rates(accelerator=probe_device_memory() is not None))
   else:
@@ -755,11 +917,19 @@ def main(argv=None) -> int:
 def plan_summary(plan: Plan) -> dict:
   """The plan's main figures as plain JSON values (bytes and seconds; inf as null)."""
   finite = lambda x: x if math.isfinite(x) else None
-  return {"params": plan.params, "host_bytes": plan.host_total, "device_bytes": plan.device_total,
+  return {"family": plan.family, "params": plan.params, "active_params": plan.active_params,
+          "host_bytes": plan.host_total, "device_bytes": plan.device_total,
           "host": plan.host, "device": plan.device, "host_limit": plan.host_limit,
           "device_limit": plan.device_limit, "fits": plan.fits_host and plan.fits_device,
+          "devices": plan.devices, "device_state_layers": plan.device_state_layers,
+          "device_update_layers": plan.device_update_layers,
+          "host_groups": plan.tiers.count("host"),
           "schedule_s": finite(plan.schedule_s), "schedule_best_s": finite(plan.schedule_best_s),
-          "roofline_s": plan.step_s, "tiers": list(plan.tiers),
+          "roofline_s": finite(plan.roofline_s), "roofline_terms_s": plan.step_s,
+          "runner_up": None if plan.runner_up is None else {
+              "device_state_layers": plan.runner_up[0], "device_update_layers": plan.runner_up[1],
+              "schedule_s": finite(plan.runner_up[2])},
+          "tiers": list(plan.tiers),
           "activations_every": plan.activations_every,
           "activations_on_host": plan.activations_on_host, "compiled": plan.compiled}
 

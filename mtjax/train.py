@@ -284,8 +284,11 @@ def _run(cfg: config_lib.Config, progress: bool, on_plan, json_path: str | None,
   tokens = tc.batch * tc.seq
   n = store.n_params
   allocated = store.allocated_bytes()
+  counts = models.spec(cfg.model).counts
   return {
+      "family": cfg.model.family,
       "params": n,
+      "active_params": counts["active"],
       "steps": len(losses),
       "resumed_from": None if resumed is None else str(resumed),
       "first_loss": losses[0],
@@ -305,11 +308,14 @@ def _run(cfg: config_lib.Config, progress: bool, on_plan, json_path: str | None,
       "init_s": init_s,
       "plan_host_gib": plan.host_total / 2**30,
       "plan_device_gib": plan.device_total / 2**30,
-      "plan_step_s": plan.predicted_step_s,
+      "plan_step_s": plan.roofline_s,
       "plan_schedule_s": plan.schedule_s,
       "plan_schedule_best_s": plan.schedule_best_s,
       "device_state_layers": plan.device_state_layers,
       "device_update_layers": plan.device_update_layers,
+      "host_groups": plan.tiers.count("host"),
+      "devices": plan.devices,
+      "device_list": [str(d) for d in store.devices],
       "activations_every": plan.activations_every,
       "activations_on_host": plan.activations_on_host,
       "layers": cfg.model.layers,
@@ -341,10 +347,15 @@ def format_summary(s: dict) -> str:
   skipped = f", {len(s['skipped_steps'])} skipped" if s["skipped_steps"] else ""
   loss = lambda x: "nan" if x is None or not math.isfinite(x) else f"{x:.4f}"
   rows = [
-      ("model", f"{s['params'] / 1e6:,.1f}M params on {s['device']}; state "
+      ("model", f"{s['family']}, {s['params'] / 1e6:,.1f}M params"
+                + (f" ({s['active_params'] / 1e6:,.1f}M active per token)"
+                   if s['active_params'] != s['params'] else "")
+                + f" on {s['devices']} device(s) ({s['device']}"
+                + (" ..." if s['devices'] > 1 else "") + "); state "
                 f"{s['state_bytes_per_param']:.2f} B/param: {s['state_host_gib']:.2f} GiB host, "
                 f"{s['state_device_gib']:.2f} GiB device ({s['device_state_layers']} groups in "
-                f"device memory, {s['device_update_layers']} streamed)"),
+                f"device memory, {s['device_update_layers']} streamed, {s['host_groups']} on the "
+                f"host)"),
       ("loss", f"{loss(s['first_loss'])} -> {loss(s['final_loss'])}{held} over {s['steps']} "
                f"steps{skipped}"),
       ("speed", f"{s['tokens_per_s']:,.0f} tokens/s, {s['step_s_median']:.3f} s/step (median "

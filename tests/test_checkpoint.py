@@ -22,7 +22,7 @@ def test_resume_equals_uninterrupted(tmp_path):
   shutil.move(final, tmp_path.parent / "uninterrupted_step_5")
   summary = train.run(config.load(TINY, over), progress=False)  # resumes from step_3
   assert summary["resumed_from"].endswith("step_3") and summary["steps"] == 2
-  cfg = config.load(TINY, ["engine.device_state_layers=0"])
+  cfg = config.load(TINY, ["engine.device_state_layers=0", "engine.device_update_layers=0"])
   a, b = store_lib.create(cfg, jax.random.key(1)), store_lib.create(cfg, jax.random.key(2))
   checkpoint.restore(a, tmp_path.parent / "uninterrupted_step_5")
   checkpoint.restore(b, checkpoint.latest(tmp_path))

@@ -23,6 +23,7 @@ def make_cfg(model=None, engine_=None, optim=None, train=None) -> config.Config:
   return config.from_dict({
       "model": {**base_model, **(model or {})},
       "engine": {"compute_dtype": "float32", "loss_chunk": 24, "device_state_layers": 0,
+                 "device_update_layers": 0,
                  **(engine_ or {})},
       "optim": {"lr": 1e-2, "warmup_steps": 2, "weight_decay": 0.1, **(optim or {})},
       "train": {"batch": 4, "seq": 8, "steps": 4, **(train or {})},

@@ -424,7 +424,8 @@ def test_fine_tune_from_hf_exports_a_model_transformers_loads(tmp_path):
   s = train.run(cfg, progress=False)
   assert s["steps"] == 3
   # The export at the end of training is the trained state, bit for bit, and loads unchanged.
-  cfg_r = cli.load_config(None, [f"model.from_hf={src}", "engine.device_state_layers=0"])
+  cfg_r = cli.load_config(None, [f"model.from_hf={src}", "engine.device_state_layers=0",
+                                 "engine.device_update_layers=0"])
   st = store_lib.create(cfg_r, jax.random.key(1))
   checkpoint.restore(st, checkpoint.latest(tmp_path / "ck"))
   trained = {g.name: st.read(i)["w"] for i, g in enumerate(st.groups)}

@@ -13,7 +13,7 @@ def model_cfg(**kw):
 
 
 def create(m, key, tiers=None):
-  cfg = config.Config(model=m, engine=config.EngineConfig(device_state_layers=0))
+  cfg = config.Config(model=m, engine=config.EngineConfig(device_state_layers=0, device_update_layers=0))
   return store_lib.create(cfg, key, tiers)
 
 

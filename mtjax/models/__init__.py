@@ -159,18 +159,25 @@ class ModelSpec:
   def inactive(self, kind: str) -> int:
     """Parameters of one group of `kind` a token does not use: the routed experts it is not sent
     to (their stacked tensors' share (E - k) / E)."""
-    moe = self.cfg.moe
-    if kind not in self.kinds or not self.kinds[kind].moe:
-      return 0
-    lay = self.layouts[kind]
-    experts = sum(int(np.prod(s)) for p, s in zip(lay.paths, lay.shapes) if "experts" in p)
-    return experts * (moe.experts - moe.experts_per_token) // moe.experts
+    return self._per_kind[kind][0]
 
   def matmul_params(self, kind: str) -> int:
     """One group's matrix parameters a token multiplies by (active experts only)."""
-    lay = self.layouts[kind]
-    mats = sum(int(np.prod(s)) for s in lay.shapes if len(s) >= 2)
-    return mats - self.inactive(kind)
+    return self._per_kind[kind][1]
+
+  @functools.cached_property
+  def _per_kind(self) -> dict[str, tuple[int, int]]:
+    """(inactive, matmul) parameters of each kind, counted once (the planner asks often)."""
+    out = {}
+    moe = self.cfg.moe
+    for kind, lay in self.layouts.items():
+      sizes = [(p, int(np.prod(s)), len(s)) for p, s in zip(lay.paths, lay.shapes)]
+      inactive = 0
+      if kind in self.kinds and self.kinds[kind].moe:
+        experts = sum(n for p, n, _ in sizes if "experts" in p)
+        inactive = experts * (moe.experts - moe.experts_per_token) // moe.experts
+      out[kind] = (inactive, sum(n for _, n, nd in sizes if nd >= 2) - inactive)
+    return out
 
   def attention_pairs(self, layer: int, batch: int, seq: int, causal_half: bool) -> float:
     """(query, key) pairs one layer scores over a batch: all T^2 of them, or the causal ones a
