@@ -33,8 +33,8 @@ GEMMA3 = dict(SHAPE, num_hidden_layers=2, layer_types=["sliding_attention", "ful
               final_logit_softcapping=3.0,
               attn_logit_softcapping=2.0)  # transformers' Gemma 3 does not apply it
 # Adam's first step is lr * g / (|g| + eps): for |g| near eps it moves with g's rounding, and
-# GELU's derivative crosses zero (x = -0.75), so some gate gradient always lands near the default
-# 1e-8. An eps of 1e-4 keeps every step a smooth function of its gradient.
+# GELU's derivative crosses zero (x = -0.75), so a gate gradient can land within rounding of the
+# default 1e-8 (one does here). An eps of 1e-4 keeps every step a smooth function of its gradient.
 ADAM = {"optim.eps": 1e-4}
 VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
               image_size=28, patch_size=14)

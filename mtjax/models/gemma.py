@@ -1,12 +1,13 @@
 """The Gemma family: Gemma 2 and Gemma 3 (text), as transformers computes them.
 
 Both scale the embedding by sqrt(hidden) (rounded to the activations' dtype), scale norms by
-(1 + w), put norms before and after each sub-layer, tie the head, use a tanh-GELU gated MLP, scale
-the attention logits by query_pre_attn_scalar^-0.5 and alternate sliding-window layers with global
-ones (`layer_types`). Gemma 2 soft-caps the attention and the final logits. Gemma 3 adds q/k norms
-per head and rotates sliding layers by a base of their own (`rope_local_theta`, unscaled) while
-the global layers take `full_attention`'s base and scaling; transformers' Gemma 3 applies no
-attention soft-cap whatever `attn_logit_softcapping` says, so neither does mtjax.
+(1 + w), put norms before and after each sub-layer, tie the head (by default), use a tanh-GELU
+gated MLP, scale the attention logits by query_pre_attn_scalar^-0.5 and alternate sliding-window
+layers with global ones (`layer_types`). Gemma 2 soft-caps the attention and the final logits.
+Gemma 3 adds q/k norms per head and rotates sliding layers by a base of their own
+(`rope_local_theta`, unscaled) while the global layers take `full_attention`'s base and scaling;
+transformers' Gemma 3 applies no attention soft-cap whatever `attn_logit_softcapping` says, so
+neither does mtjax.
 
 `gemma3_vl` is the text tower of a Gemma3ForConditionalGeneration checkpoint: config.json's
 `text_config` and its `language_model.*` tensors; the vision tower and projector are not part of
@@ -43,7 +44,9 @@ _ROPE_SCALED = ("llama3", "yarn", "longrope")  # take original_max_position_embe
 def _layer_types(r: Reader, family: str, layers: int) -> tuple[str, ...] | None:
   if r.c.get("layer_types") is not None:
     return r.layer_types(layers)
-  every = _PATTERN[family] if family == "gemma2" else r.opt("sliding_window_pattern", 6)
+  every = _PATTERN[family]
+  if family == "gemma3":  # Gemma 2 has no such key
+    every = r.opt("sliding_window_pattern", every)
   if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
     r.refuse("sliding_window_pattern", "expected a positive integer")
   types = tuple("sliding" if (i + 1) % every else "full" for i in range(layers))
