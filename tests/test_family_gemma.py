@@ -1,0 +1,187 @@
+"""The Gemma family (Gemma 2, Gemma 3 text, Gemma 3's vision-language text tower) against
+transformers, through the parity harness (tests/parity.py).
+
+The tiny configs set what Gemma's defaults make useless at this size: head_dim 256 and a window
+of 4096 tokens. Soft-caps of 2-5, a window of 4 in 12 tokens, a query_pre_attn_scalar apart from
+head_dim and RoPE bases far apart make each feature move the logits (`feature_matters`).
+pad_token_id is unset: transformers' embedding gives its row no gradient from lookups
+(torch's padding_idx), which mtjax's embedding does not model.
+"""
+
+import json
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import mtjax  # noqa: E402
+import parity  # noqa: E402
+from mtjax import hf, models  # noqa: E402
+from numerics import assert_close  # noqa: E402
+
+SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
+             initializer_range=0.2, pad_token_id=None)
+GEMMA3 = dict(SHAPE, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+              rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                  "rope_theta": 10000.0},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
+              final_logit_softcapping=3.0,
+              attn_logit_softcapping=2.0)  # transformers' Gemma 3 does not apply it
+# Adam's first step is lr * g / (|g| + eps): for |g| near eps it moves with g's rounding, and
+# GELU's derivative crosses zero (x = -0.75), so a gate gradient can land within rounding of the
+# default 1e-8 (one does here). An eps of 1e-4 keeps every step a smooth function of its gradient.
+ADAM = {"optim.eps": 1e-4}
+VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+              image_size=28, patch_size=14)
+
+
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory):
+  d = tmp_path_factory.mktemp("gemma2") / "src"
+  # No layer_types: transformers' default alternation, sliding first.
+  parity.save_tiny(transformers.Gemma2Config(**SHAPE, num_hidden_layers=2,
+                                             attn_logit_softcapping=3.0,
+                                             final_logit_softcapping=4.0), d)
+  return d
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+  d = tmp_path_factory.mktemp("gemma3") / "src"
+  parity.save_tiny(transformers.Gemma3TextConfig(**GEMMA3), d)
+  return d
+
+
+def test_gemma2_equals_transformers(gemma2, tmp_path):
+  cfg, params, _ = parity.check_logits_and_gradients(gemma2)
+  assert cfg.family == "gemma2" and cfg.layer_types == ("sliding", "full")
+  assert (cfg.attn_softcap, cfg.final_softcap, cfg.query_scale) == (3.0, 4.0, 24 ** -0.5)
+  for change in (dict(attn_softcap=None), dict(final_softcap=None), dict(layer_types=None),
+                 dict(query_scale=None), dict(embed_scale=False), dict(norm_offset=False),
+                 dict(norm_position="pre"), dict(mlp_act="silu")):
+    parity.feature_matters(cfg, params, **change)
+  # In bf16 the embedding is scaled by sqrt(hidden) rounded to bf16, as transformers does: bit for
+  # bit (a scale kept in fp32 rounds 1 element in 32 differently here).
+  m = transformers.AutoModelForCausalLM.from_pretrained(gemma2, dtype=torch.bfloat16)
+  ids = parity.token_ids(cfg.vocab_size)
+  want = m.model.embed_tokens(torch.from_numpy(ids).long()).detach().float().numpy()
+  embed = models.spec(cfg).embed(jnp.bfloat16).apply({"params": params["embed"]}, ids)
+  np.testing.assert_array_equal(np.asarray(embed.astype(jnp.float32)), want)
+  parity.pieces_cover_every_parameter(cfg)
+  parity.check_export(cfg, params, tmp_path / "out")  # the family's own config.json
+  parity.check_adamw_step(gemma2, **ADAM)
+
+
+def test_gemma3_equals_transformers(gemma3, tmp_path):
+  cfg, params, _ = parity.check_logits_and_gradients(gemma3)
+  assert cfg.family == "gemma3" and cfg.qk_norm and cfg.attn_softcap is None
+  assert (cfg.rope_theta, cfg.rope_scaling, cfg.rope_factor, cfg.rope_local_theta) == (
+      10000.0, "linear", 4.0, 100.0)
+  for change in (dict(qk_norm=False), dict(rope_local_theta=None), dict(rope_scaling="none"),
+                 dict(final_softcap=None), dict(layer_types=None), dict(query_scale=None)):
+    parity.feature_matters(cfg, params, **change)
+  parity.pieces_cover_every_parameter(cfg)
+  parity.check_export(cfg, params, tmp_path / "out")
+  parity.check_adamw_step(gemma3, **ADAM)
+
+
+def test_gemma3_vision_language_text_tower_equals_transformers(tmp_path):
+  src = tmp_path / "src"
+  config = transformers.Gemma3Config(text_config=GEMMA3, vision_config=VISION,
+                                     mm_tokens_per_image=4)
+  parity.save_tiny(config, src)
+  cfg, params = mtjax.load_hf(src)  # the vision tower's and projector's tensors left unread
+  assert cfg.family == "gemma3_vl" and cfg.tie_embeddings
+  assert cfg.final_softcap is None  # Gemma3ForConditionalGeneration does not cap its logits
+  ids = parity.token_ids(cfg.vocab_size, T=13)
+  want = parity.torch_reference(src, ids[:, :-1], ids[:, 1:])
+  assert_close(mtjax.forward(cfg, params, ids[:, :-1]), want.logits, name="logits")
+  loss, grads = parity.mtjax_loss_and_grads(cfg, params, ids[:, :-1], ids[:, 1:])
+  assert_close(loss, want.loss, name="loss")
+  # transformers' parameters are model.language_model.*, its files language_model.model.*.
+  grads = {k.replace("language_model.model.", "model.language_model.", 1): g
+           for k, g in grads.items()}
+  assert grads.keys() == want.grads.keys(), grads.keys() ^ want.grads.keys()
+  for name in want.grads:
+    assert_close(grads[name], want.grads[name], name=name)
+  parity.pieces_cover_every_parameter(cfg)
+  parity.check_export(cfg, params, tmp_path / "out", source=src)
+  with pytest.raises(models.FamilyError, match="source checkpoint's config.json"):
+    parity.check_export(cfg, params, tmp_path / "bare")
+
+
+def _fields(config: dict) -> dict:
+  return models.read_hf_config(config, "config.json")
+
+
+def test_both_key_styles_and_omitted_keys_read_as_transformers_resolves_them():
+  old3 = dict(architectures=["Gemma3ForCausalLM"], num_hidden_layers=7, rope_theta=5e5,
+              rope_local_base_freq=2e4, rope_scaling={"rope_type": "linear", "factor": 8.0},
+              sliding_window_pattern=3)
+  new3 = transformers.Gemma3TextConfig.from_dict(dict(old3)).to_dict()
+  assert "rope_scaling" not in new3 and "sliding_attention" in new3["rope_parameters"]
+  new3["architectures"] = old3["architectures"]
+  assert _fields(old3) == _fields(new3)
+  fields = _fields(old3)
+  assert (fields["rope_theta"], fields["rope_local_theta"], fields["rope_factor"]) == (
+      5e5, 2e4, 8.0)
+  assert fields["layer_types"] == ("sliding", "sliding", "full") * 2 + ("sliding",)
+  assert (fields["head_dim"], fields["kv_heads"], fields["vocab_size"]) == (256, 4, 262208)
+
+  old2 = dict(architectures=["Gemma2ForCausalLM"], num_hidden_layers=3, rope_theta=2e4,
+              hidden_act="gelu_pytorch_tanh")
+  new2 = transformers.Gemma2Config.from_dict(dict(old2)).to_dict()
+  new2["architectures"] = old2["architectures"]
+  assert _fields(old2) == _fields(new2)
+  assert (_fields(old2)["attn_softcap"], _fields(old2)["final_softcap"]) == (50.0, 30.0)
+
+  # A published vision-language config names a few text keys; the rest are Gemma3TextConfig's.
+  vl = dict(architectures=["Gemma3ForConditionalGeneration"],
+            text_config=dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                             rope_scaling={"factor": 8.0, "rope_type": "linear"},
+                             sliding_window=1024, final_logit_softcapping=30.0))
+  text = transformers.Gemma3Config.from_dict(json.loads(json.dumps(vl))).text_config.to_dict()
+  text["architectures"] = ["Gemma3ForCausalLM"]
+  fields = _fields(vl)
+  assert fields == {**_fields(text), "family": "gemma3_vl", "final_softcap": None}
+  assert fields["query_scale"] is None and fields["sliding_window"] == 1024
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("attention_bias", True, "attention_bias=True unsupported"),
+    ("use_bidirectional_attention", True, "use_bidirectional_attention=True unsupported"),
+    ("hidden_activation", "silu", "hidden_activation='silu' unsupported"),
+    ("partial_rotary_factor", 0.5, "partial_rotary_factor=0.5 unsupported"),
+    ("layer_types", ["sliding_attention"], "layer_types=.* unsupported"),
+    ("sliding_window", None, "sliding_window=None unsupported"),
+    ("query_pre_attn_scalar", 0, "query_pre_attn_scalar=0 must be a positive number"),
+    ("num_attention_heads", None, "required key 'num_attention_heads' missing"),
+    ("rope_parameters", {"sliding_attention": {"rope_type": "linear", "factor": 2.0}},
+     r"rope_parameters=.* unsupported \(sliding_attention must be an unscaled default RoPE"),
+])
+def test_config_errors_name_the_file_and_key(key, value, message):
+  config = dict(architectures=["Gemma3ForCausalLM"], num_hidden_layers=2, **{key: value})
+  with pytest.raises(models.FamilyError, match=f"^config.json: {message}") as e:
+    _fields(config)
+  assert "\n" not in str(e.value)
+
+
+def test_a_misshapen_tensor_is_a_one_line_error(gemma2, tmp_path):
+  bad = tmp_path / "bad"
+  shutil.copytree(gemma2, bad)
+  config = json.loads((bad / "config.json").read_text())
+  config["intermediate_size"] = 40
+  (bad / "config.json").write_text(json.dumps(config))
+  with pytest.raises(hf.HFError, match=r"mlp.down_proj.weight has shape \[32, 48\], expected "
+                                       r"\[32, 40\]$"):
+    mtjax.load_hf(bad)
+  shutil.rmtree(bad)
+  # Only a vision-language checkpoint's vision tower and projector are left unread.
+  assert models.get("gemma3_vl").ignored("vision_tower.encoder.layers.0.mlp.fc1.weight")
+  assert not models.get("gemma3_vl").ignored("language_model.model.layers.9.mlp.up_proj.weight")
+  assert not models.get("gemma2").ignored("vision_tower.encoder.layers.0.mlp.fc1.weight")
