@@ -101,6 +101,7 @@ class ModelConfig:
   head_dim: int | None = None  # per-head width; None means hidden / heads
   ffn: int = 176  # inner width of the dense MLP
   tie_embeddings: bool = False  # LM head reuses the token embedding table
+  pad_token_id: int | None = None  # the padding token: its embedding row gets no gradient (transformers' padding_idx)
   qkv_bias: bool = False  # bias on q/k/v projections (Qwen2, GPT-OSS)
   o_bias: bool = False  # bias on the attention output projection (GPT-OSS)
   qk_norm: bool = False  # RMSNorm on q and k before RoPE (Qwen3, Gemma 3, OLMo 2)
@@ -155,6 +156,9 @@ class ModelConfig:
     kv = self.n_kv_heads
     if kv <= 0 or self.heads % kv:
       raise ConfigError(f"model.kv_heads: {kv} must divide model.heads ({self.heads})")
+    if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+      raise ConfigError(f"model.pad_token_id: {self.pad_token_id} is not a token id (vocab_size "
+                        f"{self.vocab_size}) or null")
     if self.head_dim is None and self.hidden % self.heads:
       raise ConfigError(f"model.heads: {self.heads} does not divide model.hidden ({self.hidden}); "
                         "set model.head_dim")

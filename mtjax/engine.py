@@ -97,6 +97,8 @@ def layer_fns(spec: models.ModelSpec, compute_dtype, micro_batch: int | None, lo
     # Scatter-add in fp32: a frequent token sums many rows, which bf16 would round away.
     g_VxD = jnp.zeros((cfg.vocab_size, cfg.hidden), jnp.float32)
     dx = dx_BxTxD.reshape(-1, cfg.hidden).astype(jnp.float32) * embed.scale
+    if cfg.pad_token_id is not None:  # the padding token's row gets no gradient (as models.layers.Embed)
+      dx = jnp.where((tokens_BxT.reshape(-1) == cfg.pad_token_id)[:, None], 0.0, dx)
     g_VxD = g_VxD.at[tokens_BxT.reshape(-1)].add(dx)
     return g_VxD.reshape(-1)
 

@@ -27,3 +27,23 @@ def test_sliding_windows_equal_transformers(tmp_path, family):
   parity.pieces_cover_every_parameter(cfg)
   parity.check_export(cfg, params, tmp_path / "out")
   parity.check_adamw_step(tmp_path / "src")
+
+
+def test_the_padding_tokens_row_gets_no_gradient_as_in_transformers(tmp_path):
+  """transformers' nn.Embedding(padding_idx=pad_token_id) leaves that row's gradient at zero; the
+  imported model (model.pad_token_id) and the engine's embedding backward do the same."""
+  import numpy as np
+  import mtjax
+  parity.save_tiny(transformers.LlamaConfig(**{**SHAPE, "num_hidden_layers": 1}, pad_token_id=0),
+                   tmp_path)
+  cfg, params = mtjax.load_hf(tmp_path)
+  assert cfg.pad_token_id == 0
+  ids = parity.token_ids(cfg.vocab_size, T=13)
+  ids[:, ::3] = 0  # the padding token among the inputs
+  want = parity.torch_reference(tmp_path, ids[:, :-1], ids[:, 1:])
+  assert not want.grads["model.embed_tokens.weight"][0].any()
+  _, got = parity.mtjax_loss_and_grads(cfg, params, ids[:, :-1], ids[:, 1:])
+  assert not got["model.embed_tokens.weight"][0].any()
+  assert np.abs(got["model.embed_tokens.weight"][1:]).max() > 0
+  parity.assert_close(got["model.embed_tokens.weight"], want.grads["model.embed_tokens.weight"],
+                      name="embedding gradient")

@@ -54,7 +54,10 @@ class Reader:
     if heads % kv:
       raise FamilyError(f"{self.where}: num_key_value_heads={kv} must divide "
                         f"num_attention_heads={heads}")
-    return dict(vocab_size=self.positive("vocab_size"), hidden=hidden,
+    vocab = self.positive("vocab_size")
+    pad = self.c.get("pad_token_id")
+    pad = pad if isinstance(pad, int) and not isinstance(pad, bool) and 0 <= pad < vocab else None
+    return dict(vocab_size=vocab, hidden=hidden, pad_token_id=pad,
                 layers=self.positive("num_hidden_layers"), heads=heads, kv_heads=kv,
                 head_dim=None if head_dim * heads == hidden else head_dim,
                 ffn=self.positive("intermediate_size"),
@@ -169,6 +172,7 @@ def base_config(cfg: ModelConfig, arch: str, model_type: str, dtype: str) -> dic
       "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads,
       "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.dim_per_head,
       "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+      "pad_token_id": cfg.pad_token_id,
       # mtjax has no notion of a maximum length; this is only what generation tools read.
       "max_position_embeddings": max(cfg.rope_original_max_len,
                                      int(cfg.rope_original_max_len * cfg.rope_factor)),

@@ -416,6 +416,9 @@ class Embed(nn.Module):
     table = self.param("table", nn.initializers.normal(self.cfg.init_std),
                        (self.cfg.vocab_size, self.cfg.hidden), jnp.float32)
     x = jnp.take(table.astype(self.dtype), tokens_BxT, axis=0)
+    if self.cfg.pad_token_id is not None:  # its row gets no gradient (transformers' padding_idx)
+      pad = (tokens_BxT == self.cfg.pad_token_id)[..., None]
+      x = jnp.where(pad, jax.lax.stop_gradient(x), x)
     return x * jnp.asarray(self.scale, self.dtype) if self.cfg.embed_scale else x
 
   @property
