@@ -128,7 +128,7 @@ rel = float(np.linalg.norm(ours - theirs) / np.linalg.norm(theirs))
 agree = float(np.mean(ours.argmax(-1) == theirs.argmax(-1)))
 log(f"export vs mtjax logits (fp32, 2x256 tokens): rel err {rel:.2e}, max abs "
     f"{np.abs(ours - theirs).max():.2e}, argmax agreement {agree:.4f}")
-del exported, st, w
+del exported, st
 
 # 5. The same shape and data from mtjax's own init: the step should run as fast.
 sh("-m", "mtjax.train", "--config", "configs/finetune.yaml", "--no-progress",

@@ -110,13 +110,20 @@ def check_logits_and_gradients(directory: Path, aux_coef: float = 0.0, B: int = 
 
 
 def check_adamw_step(directory: Path, aux_coef: float = 0.0, lr: float = 1e-2,
-                     weight_decay: float = 0.1, B: int = 2, T: int = 12, **overrides):
+                     weight_decay: float = 0.1, B: int = 2, T: int = 12, eps: float = 1e-4,
+                     **overrides):
   """One step of the streaming engine (fp32, fused AdamW, the layer groups spread over every
   tier) on the imported model equals torch.optim.AdamW on transformers' model: the same loss,
-  decay on matrices only."""
+  decay on matrices only.
+
+  Adam's first step is lr * g / (|g| + eps): its sensitivity to a gradient element's rounding is
+  lr * eps / (|g| + eps)^2, up to lr / eps for a gradient near eps. With eps 1e-8 a gradient of
+  1e-7 turns fp32 rounding (1e-8 of it) into a weight difference of 5e-5 (seen on GELU's and
+  SwiGLU's near-zero derivatives); eps 1e-4, on both sides, bounds the amplification at 100."""
   over = [f"model.from_hf={directory}", "engine.compute_dtype=float32", "engine.devices=1",
           f"train.batch={B}", f"train.seq={T}", f"optim.lr={lr}", "optim.warmup_steps=0",
           "optim.min_lr_ratio=1.0", f"optim.weight_decay={weight_decay}", "optim.b2=0.99",
+          f"optim.eps={eps}",
           "engine.device_state_layers=1", "engine.device_update_layers=1",
           *(f"{k}={v}" for k, v in overrides.items())]
   cfg, _ = plan.prepare(cli.load_config(None, over))

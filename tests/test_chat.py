@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from mtjax import chat
+from mtjax.data import chat
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>",
             "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]

@@ -61,7 +61,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, processors
 
-from mtjax import chat
+from mtjax.data import chat
 from test_chat import CHATML_TAGGED, CONVERSATIONS, SPECIALS, TEMPLATES, make_tokenizer
 
 PAD = 0
@@ -363,7 +363,7 @@ def test_padded_leaves_out_documents_without_a_counted_target(tmp_path):
 
 def prepare_cli(*args, cwd):
   """Runs `python -m mtjax.data prepare ARGS` as a user would, on the mtjax under test."""
-  env = {**os.environ, "PYTHONPATH": str(Path(data.__file__).parents[1])}
+  env = {**os.environ, "PYTHONPATH": str(Path(data.__file__).parents[2])}
   return subprocess.run([sys.executable, "-m", "mtjax.data", "prepare", *map(str, args)],
                         capture_output=True, text=True, timeout=60, env=env, cwd=cwd)
 

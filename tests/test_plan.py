@@ -74,7 +74,7 @@ def test_optimizer_state_of_any_optax_rule_is_counted_as_allocated(name):
 
 def test_device_bytes_of_the_layers_come_from_the_compiled_executables():
   cfg = config.load(CONFIGS / "tiny.yaml", ["engine.device_state_layers=0"])
-  working = engine.compiled_memory(cfg)
+  working = plan.compiled_memory(cfg)
   assert set(working) == {"embed forward", "block forward", "block backward", "head",
                           "embed backward"}
   # The block backward holds at least its activations' cotangents: [B, T, ffn] fp32 a few times.
@@ -84,7 +84,7 @@ def test_device_bytes_of_the_layers_come_from_the_compiled_executables():
   p = plan.make(cfg, working=working)
   assert p.compiled and p.device["layer executables (compiled)"] == max(
       w["temp"] + w["output"] for w in working.values())
-  bigger = engine.compiled_memory(config.load(CONFIGS / "tiny.yaml", ["train.batch=16"]))
+  bigger = plan.compiled_memory(config.load(CONFIGS / "tiny.yaml", ["train.batch=16"]))
   assert bigger["block backward"]["temp"] > working["block backward"]["temp"]
 
 
@@ -135,10 +135,15 @@ def tmp_path_factory_dir():
 
 def test_run_that_cannot_fit_is_refused_before_allocation(monkeypatch):
   cfg = config.load(CONFIGS / "llama_7b.yaml")
-  monkeypatch.setattr(plan, "host_memory_limit", lambda: 64 * 2**30)
+  monkeypatch.setattr(plan.probe, "host_memory_limit", lambda: 64 * 2**30)
   monkeypatch.setattr(store_lib, "create", lambda *a, **k: pytest.fail("allocated before refusing"))
   with pytest.raises(plan.PlanError, match=r"host memory: needs \d+\.\d GiB .* limit 64\.0 GiB"):
     train.run(cfg, progress=False)
+  # 13B: its weights and moments alone (12 B/param) exceed host and device memory together,
+  # refused by byte arithmetic on the config before any layout or search
+  with pytest.raises(plan.PlanError, match=r"host memory and device memory together: .* at least "
+                                           r"1\d\d\.\d GiB .* 64\.0 GiB"):
+    train.run(config.load(CONFIGS / "llama_13b.yaml"), progress=False)
 
 
 def test_device_refusal_names_the_largest_item():

@@ -1,0 +1,346 @@
+"""Where training batches come from, each a pure function of the step: the synthetic stream, a flat
+token file, and prepared documents (`python -m mtjax.data prepare`), packed with document masks or
+padded; and the held-out batches of a prepared val split."""
+
+from __future__ import annotations
+
+import collections
+import json
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from mtjax.config import DataConfig
+from mtjax.data.batch import Batch, Synthetic
+
+
+class TokenFile:
+  """A flat file of token ids (raw uint16 or uint32); batches are windows at seeded offsets."""
+
+  def __init__(self, path: str | Path, dtype: str, vocab: int):
+    path = Path(path)
+    if not path.exists():
+      raise FileNotFoundError(f"data.path: token file {path} does not exist")
+    if not path.is_file():
+      raise ValueError(f"data.path: {path} is not a file")
+    size, item = path.stat().st_size, np.dtype(dtype).itemsize
+    if size == 0:
+      raise ValueError(f"data.path: token file {path} is empty")
+    if size % item:
+      raise ValueError(f"data.path: {path} holds {size} bytes, not a whole number of {dtype} "
+                       f"tokens (truncated, or another data.dtype)")
+    self.tokens = np.memmap(path, dtype=np.dtype(dtype), mode="r")
+    self.vocab = vocab
+    self.path = path
+    # Up front and cheap: ids of about a million evenly spread tokens must fit the vocabulary.
+    sample = self.tokens[::max(1, self.tokens.shape[0] // 1_000_000)]
+    if int(sample.max()) >= vocab:
+      raise ValueError(f"data.path: {path} holds token id {int(sample.max())} >= model.vocab_size "
+                       f"({vocab})")
+
+  def batch(self, step: int, batch: int, seq: int, seed: int) -> Batch:
+    n = self.tokens.shape[0]
+    if n < seq + 1:
+      raise ValueError(f"data.path: {self.path} holds {n} tokens, fewer than train.seq + 1 "
+                       f"({seq + 1})")
+    rng = np.random.default_rng([seed, step])
+    starts = rng.integers(0, n - seq, size=batch)
+    toks = np.stack([np.asarray(self.tokens[s:s + seq + 1]) for s in starts]).astype(np.int64)
+    if toks.max() >= self.vocab:
+      raise ValueError(f"data.path: token id {int(toks.max())} >= model.vocab_size ({self.vocab})")
+    toks = toks.astype(np.int32)
+    return Batch(toks[:, :-1], toks[:, 1:])
+
+
+class _TokenWindows:
+  """A TokenFile as a source: batch(step) and position(step)."""
+
+  def __init__(self, cfg: DataConfig, batch: int, seq: int, vocab: int, seed: int):
+    self.file = TokenFile(cfg.path, cfg.dtype, vocab)
+    self.shape, self.seed = (batch, seq), seed
+    n = self.file.tokens.shape[0]
+    if n < seq + 1:
+      raise ValueError(f"data.path: {cfg.path} holds {n} tokens, fewer than train.seq + 1 ({seq + 1})")
+
+  def batch(self, step: int) -> Batch:
+    return self.file.batch(step, *self.shape, self.seed)
+
+  def position(self, step: int) -> dict:
+    return {"source": "tokens", "step": step, "epoch": 0, "index": step}
+
+
+# ---------------------------------------------------------------------------------------------
+# Prepared documents: DIR/{split}.bin (tokens), .idx (uint64 document starts plus the end),
+# .mask (uint8, chat only: 1 where a token is a target the loss counts) and meta.json.
+
+SPLITS = ("train", "val")
+
+
+class Prepared:
+  """One split of a prepared directory, checked against meta.json before any batch is built."""
+
+  def __init__(self, path: str | Path, split: str, vocab: int):
+    path = Path(path)
+    meta_path = path / "meta.json"
+    if not path.is_dir():
+      raise FileNotFoundError(f"data.path: prepared directory {path} does not exist")
+    if not meta_path.is_file():
+      raise FileNotFoundError(f"data.path: {meta_path} does not exist (run python -m mtjax.data "
+                              "prepare, which writes it last)")
+    try:
+      meta = json.loads(meta_path.read_text())
+      dtype = np.dtype(meta["dtype"])
+      info = meta["splits"][split]
+      n_docs, n_tokens = int(info["documents"]), int(info["tokens"])
+      data_vocab, pad_id = int(meta["vocab_size"]), int(meta["pad_id"])
+    except (ValueError, KeyError, TypeError) as e:
+      raise ValueError(f"data.path: {meta_path} is not a prepared-data meta.json ({e!r})") from None
+    if dtype.name not in ("uint16", "uint32") or not 0 <= pad_id < data_vocab:
+      raise ValueError(f"data.path: {meta_path}: dtype {dtype.name} (uint16/uint32) or pad_id "
+                       f"{pad_id} (< vocab_size {data_vocab}) is wrong")
+    if data_vocab > vocab:
+      raise ValueError(f"data.path: {meta_path} has vocab_size {data_vocab} > model.vocab_size "
+                       f"({vocab})")
+    if n_docs < 1:
+      raise ValueError(f"data.path: split {split!r} of {path} holds no documents")
+    files = {"bin": (n_tokens * dtype.itemsize), "idx": (n_docs + 1) * 8}
+    if meta.get("has_mask"):
+      files["mask"] = n_tokens
+    for ext, size in files.items():
+      f = path / f"{split}.{ext}"
+      if not f.is_file():
+        raise FileNotFoundError(f"data.path: {f} does not exist")
+      if f.stat().st_size != size:
+        raise ValueError(f"data.path: {f} holds {f.stat().st_size} bytes; meta.json implies {size}")
+    self.path, self.split, self.meta = path, split, meta
+    self.vocab, self.pad_id = data_vocab, pad_id
+    self.tokens = np.memmap(path / f"{split}.bin", dtype=dtype, mode="r")
+    self.starts = np.fromfile(path / f"{split}.idx", dtype=np.uint64).astype(np.int64)
+    self.mask = (np.memmap(path / f"{split}.mask", dtype=np.uint8, mode="r")
+                 if meta.get("has_mask") else None)
+    self.lengths = np.diff(self.starts)
+    if self.starts[0] != 0 or self.starts[-1] != n_tokens or np.any(self.lengths <= 0):
+      raise ValueError(f"data.path: {path / (split + '.idx')} is not a sorted list of document "
+                       f"starts from 0 to {n_tokens}")
+    # A sample of windows, not a full scan: a wrong tokenizer or vocab shows up anywhere.
+    for s in np.linspace(0, max(n_tokens - 4096, 0), 16).astype(np.int64):
+      top = int(np.asarray(self.tokens[s:s + 4096]).max())
+      if top >= data_vocab:
+        raise ValueError(f"data.path: {path / (split + '.bin')} holds token id {top} >= meta.json "
+                         f"vocab_size ({data_vocab})")
+
+  @property
+  def n_docs(self) -> int:
+    return len(self.lengths)
+
+  @property
+  def n_tokens(self) -> int:
+    return int(self.starts[-1])
+
+  def piece(self, doc: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """Tokens [lo, hi) of document `doc` and their loss mask (None: every token counts)."""
+    a = int(self.starts[doc])
+    toks = np.asarray(self.tokens[a + lo:a + hi]).astype(np.int64)
+    mask = None if self.mask is None else np.asarray(self.mask[a + lo:a + hi])
+    return toks, mask
+
+
+def _row(pieces: list[tuple[np.ndarray, np.ndarray | None]], seq: int, pad_id: int
+         ) -> tuple[np.ndarray, ...]:
+  """Lays document pieces into one row of seq + 1 tokens and pads the rest.
+
+  Returns:
+    (inputs, targets, positions, segments, loss_weights), each [seq].
+  """
+  n = seq + 1
+  toks = np.full(n, pad_id, np.int64)
+  seg = np.full(n, len(pieces), np.int32)  # padding is a segment of its own
+  pos = np.zeros(n, np.int32)
+  counts = np.zeros(n, np.float32)  # 1 where the token, as a target, counts for the loss
+  o = 0
+  for k, (t, m) in enumerate(pieces):
+    m_len = len(t)
+    toks[o:o + m_len] = t
+    seg[o:o + m_len] = k
+    # Every piece starts at position 0, also one that continues a document from the previous row:
+    # positions stay within the trained context length whatever the document's length.
+    pos[o:o + m_len] = np.arange(m_len)
+    counts[o:o + m_len] = 1 if m is None else m
+    o += m_len
+  pos[o:] = np.arange(n - o)
+  # A target counts only inside its input's document: a document's last token predicts nothing.
+  same = (seg[:-1] == seg[1:]) & (seg[1:] < len(pieces))
+  weights = (same * counts[1:]).astype(np.float32)
+  return toks[:-1], toks[1:], pos[:-1], seg[:-1], weights
+
+
+def _stack(rows: list[tuple[np.ndarray, ...]], vocab: int, where: str) -> Batch:
+  inputs, targets, pos, seg, w = (np.stack(x) for x in zip(*rows))
+  top = max(int(inputs.max()), int(targets.max()))
+  if top >= vocab:
+    raise ValueError(f"data.path: {where} holds token id {top} >= model.vocab_size ({vocab})")
+  return Batch(inputs.astype(np.int32), targets.astype(np.int32), pos, seg, w)
+
+
+class PreparedSource:
+  """Training batches from a prepared split, a pure function of (data, mode, seed, step).
+
+  packed: each epoch concatenates the documents in a seeded shuffle and cuts the stream into rows
+  of seq + 1 tokens, each starting on the previous row's last token so that every token is a target
+  once (the tail that fills no row is dropped); padded: each epoch takes the documents
+  in a seeded shuffle, one per row, truncated to seq + 1 tokens (those without a counted target in
+  that window, such as an SFT prompt longer than a row, are left out).
+  """
+
+  def __init__(self, data: Prepared, mode: str, batch: int, seq: int, seed: int, vocab: int):
+    self.data, self.mode, self.shape, self.seed = data, mode, (batch, seq), seed
+    self.model_vocab = vocab
+    if mode == "packed":
+      self.per_epoch = (data.n_tokens - 1) // seq
+      if self.per_epoch < 1:
+        raise ValueError(f"data.path: split {data.split!r} of {data.path} holds {data.n_tokens} "
+                         f"tokens, fewer than train.seq + 1 ({seq + 1})")
+      self.docs = np.arange(data.n_docs)
+    else:
+      self.docs = _with_targets(data, seq)
+      self.per_epoch = len(self.docs)
+    self._epochs: collections.OrderedDict = collections.OrderedDict()
+
+  def _epoch(self, e: int) -> tuple[np.ndarray, np.ndarray]:
+    """The epoch's document order and, packed, the stream offset where each of them ends."""
+    if e not in self._epochs:
+      order = self.docs[np.random.default_rng([self.seed, e]).permutation(len(self.docs))]
+      self._epochs[e] = (order, np.cumsum(self.data.lengths[order]))
+      while len(self._epochs) > 2:  # a step's rows span at most two epochs
+        self._epochs.popitem(last=False)
+    return self._epochs[e]
+
+  def _pieces(self, g: int) -> list:
+    e, i = divmod(g, self.per_epoch)
+    order, ends = self._epoch(e)
+    seq = self.shape[1]
+    if self.mode == "padded":
+      d = int(order[i])
+      return [self.data.piece(d, 0, min(int(self.data.lengths[d]), seq + 1))]
+    return _cut(self.data, order, ends, i * seq, i * seq + seq + 1)
+
+  def batch(self, step: int) -> Batch:
+    B, T = self.shape
+    rows = [_row(self._pieces(step * B + b), T, self.data.pad_id) for b in range(B)]
+    return _stack(rows, self.model_vocab, str(self.data.path))
+
+  def position(self, step: int) -> dict:
+    """Where `step` begins in the data: epoch, row (packed) or document (padded) within it, ..."""
+    B, T = self.shape
+    e, i = divmod(step * B, self.per_epoch)
+    pos = {"source": "prepared", "mode": self.mode, "split": self.data.split, "seed": self.seed,
+           "step": step, "epoch": int(e), "index": int(i), "per_epoch": int(self.per_epoch)}
+    if self.mode == "packed":
+      _, ends = self._epoch(e)
+      pos["token"] = int(i * T)
+      pos["document"] = int(np.searchsorted(ends, i * T, side="right"))
+    return pos
+
+
+def _with_targets(data: Prepared, seq: int) -> np.ndarray:
+  """The documents with a target the loss counts in their first seq + 1 tokens, for padded rows."""
+  # A row without one would only add a weight-0 row, and a batch of them has no loss at all (an
+  # SFT prompt longer than the row, say): such documents are left out of padded epochs.
+  keep = data.lengths >= 2
+  if data.mask is not None:
+    keep &= np.array([data.mask[a + 1:a + min(n, seq + 1)].any()
+                      for a, n in zip(data.starts[:-1], data.lengths)], dtype=bool)
+  if not keep.any():
+    raise ValueError(f"data.path: no document of split {data.split!r} of {data.path} has a target "
+                     f"the loss counts within train.seq + 1 ({seq + 1}) tokens")
+  return np.flatnonzero(keep)
+
+
+def _cut(data: Prepared, order: np.ndarray, ends: np.ndarray, a: int, b: int) -> list:
+  """The pieces of the documents (in `order`, ending at stream offsets `ends`) covering [a, b)."""
+  pieces = []
+  j = int(np.searchsorted(ends, a, side="right"))
+  while j < len(order) and a < b:
+    d = int(order[j])
+    start = int(ends[j]) - int(data.lengths[d])
+    hi = min(b, int(ends[j]))
+    pieces.append(data.piece(d, a - start, hi - start))
+    a = hi
+    j += 1
+  return pieces
+
+
+def source(cfg: DataConfig, batch: int, seq: int, vocab: int, seed: int):
+  """The configured data as an object with batch(step) -> Batch and position(step) -> dict.
+
+  Args:
+    cfg: the data section of the config.
+    batch: rows per step (train.batch).
+    seq: tokens per row (train.seq).
+    vocab: model.vocab_size; every token id must be below it.
+    seed: seeds the order of the data (train.seed).
+
+  Returns:
+    The source; checks files and sizes when built, before any batch.
+  """
+  if cfg.source == "tokens":
+    return _TokenWindows(cfg, batch, seq, vocab, seed)
+  if cfg.source == "prepared":
+    return PreparedSource(Prepared(cfg.path, cfg.split, vocab), cfg.mode, batch, seq, seed, vocab)
+  return Synthetic(batch, seq, vocab, seed)
+
+
+def batches(cfg: DataConfig, batch: int, seq: int, vocab: int, seed: int, start_step: int = 0):
+  """Yields the batch of each step from `start_step` on; a step always gives the same batch."""
+  src = source(cfg, batch, seq, vocab, seed)
+  step = start_step
+  while True:
+    yield src.batch(step)
+    step += 1
+
+
+def position(cfg: DataConfig, batch: int, seq: int, vocab: int, seed: int, step: int) -> dict:
+  """Where `step`'s batch lies in the data (epoch, index in it, ...), saved with a checkpoint."""
+  return source(cfg, batch, seq, vocab, seed).position(step)
+
+
+def validation_batches(cfg: DataConfig, batch: int, seq: int, vocab: int, split: str = "val"
+                       ) -> Iterator[Batch]:
+  """One deterministic pass over a prepared split for held-out loss, in stored order, no shuffle.
+
+  packed: the split's documents concatenated and cut into rows of seq + 1 that overlap by one token
+  (the last row padded);
+  padded: one document per row, truncated to seq + 1 (as in training, those without a counted
+  target are left out). The last batch is filled with padding rows
+  of weight 0, so sum(nll * w) / sum(w) over all batches is the mean loss over the split's targets.
+
+  Args:
+    cfg: the data section of the config (source must be prepared).
+    batch: rows per batch.
+    seq: tokens per row.
+    vocab: model.vocab_size.
+    split: the split to evaluate.
+
+  Returns:
+    A finite iterator of Batch.
+  """
+  if cfg.source != "prepared":
+    raise ValueError(f"data.source: held-out batches need 'prepared' data, not {cfg.source!r}")
+  data = Prepared(cfg.path, split, vocab)
+  order = np.arange(data.n_docs)
+  if cfg.mode == "packed":
+    ends = np.cumsum(data.lengths)
+    n_rows = -(-(data.n_tokens - 1) // seq)
+    row = lambda r: _cut(data, order, ends, r * seq, r * seq + seq + 1)
+  else:
+    docs = _with_targets(data, seq)
+    n_rows = len(docs)
+    row = lambda r: [data.piece(int(docs[r]), 0, min(int(data.lengths[docs[r]]), seq + 1))]
+
+  def gen():
+    for r0 in range(0, n_rows, batch):
+      rows = [_row(row(r) if r < n_rows else [], seq, data.pad_id) for r in range(r0, r0 + batch)]
+      yield _stack(rows, vocab, str(data.path))
+
+  return gen()

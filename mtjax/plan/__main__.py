@@ -1,0 +1,114 @@
+"""`python -m mtjax.plan --config FILE [key.path=value ...]`: will this run fit, and how fast can it go?
+
+The plan places every layer group's state (host RAM, streamed through the device, or held in
+device memory: see mtjax.store), counts host and device bytes, and predicts the step time from
+a simulation of the engine's schedule. Host figures are arithmetic on the config; the layer
+executables' device bytes come from XLA's analysis of the compiled code once the backend runs.
+`mtjax.train` runs the same plan first (`prepare`) and refuses a run that does not fit, before it
+allocates anything."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from mtjax import cli, config as config_lib
+from mtjax.plan.memory import GiB
+from mtjax.plan.machine import Machine
+from mtjax.plan.probe import host_memory_limit, prepare, probe_device_memory
+from mtjax.plan.schedule import Rates
+from mtjax.plan.search import Plan, PlanError, make
+
+
+def format_plan(plan: Plan) -> str:
+  lim = lambda x: "unknown" if x is None else f"{x / GiB:.1f} GiB"
+  tiers = {t: plan.tiers.count(t) for t in ("device", "stream", "host")}
+  active = (f" ({plan.active_params / 1e6:,.1f}M active per token)"
+            if plan.active_params not in (None, plan.params) else "")
+  lines = [f"{plan.family}: {plan.params / 1e6:,.1f}M parameters{active}; state "
+           f"{plan.host_bytes_per_param:.2f} B/param; "
+           f"layer groups: {tiers['device']} in device memory, {tiers['stream']} streamed "
+           f"(device update), {tiers['host']} on the host",
+           f"host memory: {plan.host_total / GiB:.2f} GiB of {lim(plan.host_limit)} "
+           f"({'fits' if plan.fits_host else 'DOES NOT FIT'}); pinned {plan.pinned / GiB:.2f} GiB"]
+  lines += [f"  {k:<34}{v / GiB:>9.2f} GiB" for k, v in plan.host.items() if v]
+  each = f" per device, {plan.devices} devices" if plan.devices > 1 else ""
+  lines += [f"device memory{each}: {plan.device_total / GiB:.2f} GiB of {lim(plan.device_limit)} "
+            f"({'fits' if plan.fits_device else 'DOES NOT FIT'})"]
+  lines += [f"  {k:<34}{v / GiB:>9.2f} GiB" for k, v in plan.device.items() if v]
+  lines += [f"predicted step >= {plan.roofline_s:.3f} s (roofline: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in plan.step_s.items()) + ")",
+            f"predicted step {plan.schedule_best_s:.3f}-{plan.schedule_s:.3f} s (the engine's "
+            f"schedule, simulated; host AdamW at its best-worst in-step rate; gradient queue "
+            f"{plan.grad_queue}" + (f"; every {plan.activations_every}th block's input kept, the "
+                                    f"rest re-computed" if plan.activations_every > 1 else "")
+            + (f"; {plan.activations_on_host} kept inputs in host memory"
+               if plan.activations_on_host else "") + ")",
+            "device bytes of the layer executables: " + ("from XLA's analysis of the compiled code"
+                                                         if plan.compiled else "estimated")]
+  if plan.runner_up is not None:
+    n_dev, n_str, t = plan.runner_up
+    lines.append(f"runner-up placement: {n_dev} groups in device memory, {n_str} streamed: "
+                 f"{t:.3f} s simulated")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m mtjax.plan", description=__doc__)
+  p.add_argument("--machine", help="plan for the machine this YAML file describes "
+                                   "(configs/machines/h200.yaml), not this one; no accelerator used")
+  p.add_argument("--no-device", action="store_true",
+                 help="plan without starting the accelerator (device bytes estimated, no device limit)")
+  p.add_argument("--json", help="also write the plan's figures (bytes, seconds) to this path")
+  args, cfg = cli.parse_cli(p, argv)
+  if args.machine:
+    try:
+      plan = Machine.load(args.machine).plan(cfg)
+    except config_lib.ConfigError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
+    except PlanError as e:
+      print(f"refused: {e}", file=sys.stderr)
+      return 1
+  elif args.no_device:
+    plan = make(cfg, host_limit=host_memory_limit(),
+                rates=Rates(accelerator=probe_device_memory() is not None))
+  else:
+    try:
+      _, plan = prepare(cfg)
+    except PlanError as e:
+      print(f"refused: {e}", file=sys.stderr)
+      if args.json:
+        Path(args.json).write_text(json.dumps({"refused": str(e)}))
+      return 1
+  print(format_plan(plan))
+  if args.json:
+    Path(args.json).write_text(json.dumps(plan_summary(plan), indent=1))
+  return 0 if plan.fits_host and plan.fits_device else 1
+
+
+def plan_summary(plan: Plan) -> dict:
+  """The plan's main figures as plain JSON values (bytes and seconds; inf as null)."""
+  finite = lambda x: x if math.isfinite(x) else None
+  return {"family": plan.family, "params": plan.params, "active_params": plan.active_params,
+          "host_bytes": plan.host_total, "device_bytes": plan.device_total,
+          "host": plan.host, "device": plan.device, "host_limit": plan.host_limit,
+          "device_limit": plan.device_limit, "fits": plan.fits_host and plan.fits_device,
+          "devices": plan.devices, "device_state_layers": plan.device_state_layers,
+          "device_update_layers": plan.device_update_layers,
+          "host_groups": plan.tiers.count("host"),
+          "schedule_s": finite(plan.schedule_s), "schedule_best_s": finite(plan.schedule_best_s),
+          "roofline_s": finite(plan.roofline_s), "roofline_terms_s": plan.step_s,
+          "runner_up": None if plan.runner_up is None else {
+              "device_state_layers": plan.runner_up[0], "device_update_layers": plan.runner_up[1],
+              "schedule_s": finite(plan.runner_up[2])},
+          "tiers": list(plan.tiers),
+          "activations_every": plan.activations_every,
+          "activations_on_host": plan.activations_on_host, "compiled": plan.compiled}
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,59 @@
+"""Host and device bytes of a plan's items that are not arithmetic on the layouts: the runtime,
+allowances measured on the H200, the pinned pool's rounding, a Hugging Face import or export."""
+
+from __future__ import annotations
+
+import math
+
+from mtjax import config as config_lib
+from mtjax.plan.schedule import param_counts
+
+GiB = 2**30
+
+
+# Python, jax/XLA, the CUDA runtime and compiled code: measured on the H200 box (7B and 9B runs:
+# peak RSS minus the other items was 3.5-6.4 GiB), so the plan errs high by up to 3 GiB. Without an
+# accelerator (the CPU backend, no CUDA runtime, no pinned pool) a much smaller allowance.
+RUNTIME_HOST_BYTES = 6.5 * GiB
+
+
+RUNTIME_HOST_BYTES_CPU = 1 * GiB
+
+
+# Host memory that grows with the state held in device memory, not yet explained item by item:
+# the 14.8B run with 94.8 GiB of device-tier state peaked at 101.6 GiB RSS against 91.6 GiB of
+# the other items (benchmarks/results/store/), about 10.5% of the device-tier bytes; a 17.0B run
+# planned without this allowance at 125.7 of 125.8 GiB was killed for host memory.
+DEVICE_TIER_HOST_SHARE = 0.11
+
+
+# XLA's GPU allocator (BFC) hands a request a free chunk of up to twice its size, unsplit, when the
+# rest would be under 128 MiB, and counts the whole chunk in use; the saved block inputs live
+# longest, among short-lived buffers of other sizes. Measured on the H200 (1B and 3.37B at 32k: the
+# device peak 0.72 and 1.6 GiB over the plan's items): about this share of min(input, 128 MiB) per
+# saved input in device memory.
+SAVED_INPUT_ROUNDING = 0.3
+
+
+def pinned_pool_bytes(pinned: int) -> int:
+  """The cap mtjax gives XLA's pinned host pool for `pinned` bytes of pinned buffers. The pool grows
+  in doubling regions up to its cap, so a run that pins more than half of it ends up holding it all:
+  10% plus 2 GiB of headroom against fragmentation."""
+  return math.ceil((pinned * 1.1 + 2 * GiB) / GiB) * GiB
+
+
+def hf_staging_bytes(cfg: config_lib.Config) -> int:
+  """Host bytes a Hugging Face import (`model.from_hf`, at the start) or export
+  (`train.export_dir`, at the end) holds beside the state, the larger of the two. The import
+  writes one group at a time (a group's fp32 buffer, its tensors read through memory maps in
+  chunks); the export gathers up to one shard of tensors in the export dtype before writing it,
+  beside one group's fp32 weights copied from its tier."""
+  from mtjax import hf  # noqa: PLC0415 - numpy and the safetensors format only; no backend
+  pc = param_counts(cfg.model)
+  group = 4 * max(v for k, v in pc.items() if k not in ("total", "active"))
+  imported = group if cfg.model.from_hf else 0
+  exported = 0
+  if cfg.train.export_dir:
+    width = 4 if cfg.train.export_dtype == "float32" else 2
+    exported = min(hf.MAX_SHARD_BYTES, width * pc["total"]) + group
+  return max(imported, exported)

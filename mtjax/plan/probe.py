@@ -1,0 +1,190 @@
+"""What a run's plan needs to know of this machine: its memories and devices, probed before the jax
+backend starts where the backend reads them once (the pinned pool's cap, the device memory
+fraction); then `prepare`, which plans a run and makes every placement choice once."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+
+from mtjax import config as config_lib, models
+from mtjax.plan.memory import GiB
+from mtjax.plan.schedule import Rates
+from mtjax.plan.search import Plan, PlanError, check, devices_of, make
+from mtjax.plan.memory import pinned_pool_bytes
+
+def host_memory_limit() -> int:
+  """The memory this process may use: the cgroup limit where one applies, else physical RAM."""
+  limits = [os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")]
+  for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+    try:
+      text = open(path).read().strip()
+    except OSError:
+      continue
+    if text.isdigit():
+      limits.append(int(text))
+  return min(limits)
+
+
+def device_memory_limit(device) -> int | None:
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  return None if not stats else stats.get("bytes_limit")
+
+
+def probe_device_memory() -> int | None:
+  """Total memory of the first GPU, read without starting the jax backend (nvidia-smi), or None."""
+  if os.environ.get("JAX_PLATFORMS", "").strip() == "cpu":
+    return None
+  try:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=20)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  first = out.stdout.strip().splitlines()[:1]
+  return int(float(first[0])) * 2**20 if out.returncode == 0 and first else None
+
+
+def backend_started() -> bool:
+  from jax._src import xla_bridge  # noqa: PLC0415 - only to ask whether it has started
+  return bool(getattr(xla_bridge, "_backends", None))
+
+
+# The share of a GPU's memory XLA's allocator may take (its own default is 75%): the rest holds the
+# CUDA context, cuDNN's workspace and the pinned-pool bookkeeping.
+DEVICE_MEMORY_FRACTION = 0.92
+
+
+def prepare(cfg: config_lib.Config, host_limit: int | None = None
+            ) -> tuple[config_lib.Config, Plan]:
+  """Plans a run and makes every placement choice once; call it before anything touches jax.
+
+  Before the backend starts it caps XLA's pinned host pool near what the plan pins and sets the
+  device memory the run may use (`engine.device_memory_gb`, else 92% of the GPU); library users
+  call it too (examples/custom_loop.py). After the backend starts it re-plans with the device's
+  real limit and the layer executables' device bytes from XLA's analysis of the compiled code, and
+  refuses (PlanError) a run that does not fit, before any state is allocated.
+
+  Returns:
+    (the config with a concrete placement, the plan).
+  """
+  import jax  # noqa: PLC0415 - imported late: the environment must be set before the backend starts
+
+  host_limit = host_memory_limit() if host_limit is None else host_limit
+  fresh = not backend_started()
+  pinned_cap = None
+  if fresh:
+    total, count = probe_device_memory(), probe_device_count()
+    first_cfg = _with_devices(cfg, devices_of(cfg, count))
+    limit = None
+    if total is not None:
+      want = cfg.engine.device_memory_gb
+      frac = min(want * GiB / total, 1.0) if want else DEVICE_MEMORY_FRACTION
+      os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{frac:.4f}")
+      limit = int(total * float(os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"]))
+    first = make(first_cfg, host_limit, limit, Rates(accelerator=total is not None))
+    configure_pinned_pool(first.pinned)
+  device = jax.local_devices()[0]
+  accel = device.platform != "cpu"
+  n = devices_of(cfg, len(jax.local_devices()))
+  if n > len(jax.local_devices()):
+    raise PlanError(f"engine.devices: {n} requested, this process sees {len(jax.local_devices())}")
+  mb = cfg.engine.micro_batch or 1
+  n_all = n * jax.process_count()  # every process's devices share the global batch
+  if cfg.train.batch % (n_all * mb):
+    raise PlanError(f"train.batch: {cfg.train.batch} sequences do not split evenly over {n_all} "
+                    f"device(s)" + (f" in micro-batches of {mb}" if mb > 1 else "")
+                    + "; set engine.devices or the batch")
+  cfg = _with_devices(cfg, n)
+  if accel:
+    pinned_cap = int(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64")) * GiB
+  from mtjax import optimizer as opt_lib  # noqa: PLC0415
+  # The layer executables' device bytes from XLA's own analysis; on the CPU backend "device" memory
+  # is host memory, nothing bounds it apart from the host, and the estimate serves (each compile
+  # costs seconds there).
+  working = compiled_memory(cfg, device, n_all) if accel else None
+  rule = opt_lib.UpdateRule(cfg.optim, cfg.decay_steps)
+  opt_bytes = {k: rule.state_bytes(lay) for k, lay in models.spec(cfg.model).layouts.items()}
+  plan = make(cfg, host_limit, device_memory_limit(device), Rates(accelerator=accel), working,
+              opt_bytes, pinned_cap)
+  check(plan)
+  return plan.resolve(cfg), plan
+
+
+def _with_devices(cfg: config_lib.Config, n: int) -> config_lib.Config:
+  return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, devices=n))
+
+
+def probe_device_count() -> int | None:
+  """How many GPUs nvidia-smi lists (without starting the jax backend), or None."""
+  if os.environ.get("JAX_PLATFORMS", "").strip() == "cpu":
+    return None
+  visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+  if visible is not None:  # what the process will see, not what the machine has
+    return len([d for d in visible.split(",") if d.strip()]) or None
+  try:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=20)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return len(out.stdout.split()) if out.returncode == 0 and out.stdout.strip() else None
+
+
+def configure_pinned_pool(pinned: int) -> None:
+  """Caps XLA's pinned host pool near `pinned`, the bytes the run pins. The pool grows in doubling
+  regions up to its cap, so a loose cap can pin up to twice what is used; a user's own setting
+  wins. Must run before the jax backend starts."""
+  os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(pinned_pool_bytes(pinned) // GiB))
+
+
+def compiled_memory(cfg: config_lib.Config, device=None, devices: int = 1
+                    ) -> dict[str, dict[str, int]]:
+  """Device bytes of each layer executable at the config's shapes, from XLA's own analysis of the
+  compiled code (`.lower().compile().memory_analysis()`): arguments, outputs, temporaries. With
+  the batch split over `devices`, one device's share (its slice of the batch)."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  device = device or jax.local_devices()[0]
+  e, m, t = cfg.engine, cfg.model, cfg.train
+  key = (m, e.compute_dtype, e.micro_batch, e.loss_chunk, e.attention, e.matmul_precision,
+         e.seq_tile, e.moe_impl, t.batch, t.seq, devices, device)
+  if key in _COMPILED_MEMORY:  # placement does not change the layer executables
+    return _COMPILED_MEMORY[key]
+  from mtjax import engine as engine_lib  # noqa: PLC0415 - jax and the layers: loaded when used
+  from mtjax.models.layers import Ctx  # noqa: PLC0415
+  spec = models.spec(m)
+  lays = spec.layouts
+  cd = engine_lib.DTYPES[e.compute_dtype]
+  fns = engine_lib.layer_fns(
+      spec, cd, e.micro_batch, e.loss_chunk,
+      engine_lib.attention_impl(e.attention, device, e.compute_dtype, m, t.seq), 1, e.seq_tile,
+      strided=devices > 1, moe_impl=engine_lib.moe_impl(e.moe_impl, device))
+  sh = jax.sharding.SingleDeviceSharding(device)
+  S = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+  B, T, D = max(1, t.batch // devices), t.seq, m.hidden
+  x, tok = S((B, T, D), cd), S((B, T), jnp.int32)
+  ctx = Ctx(tok)
+  w = {k: S((lay.size,), jnp.float32) for k, lay in lays.items()}
+  table = w["embed"] if m.tie_embeddings else None
+  calls = {
+      "embed forward": (fns.embed_fwd, (w["embed"], tok)),
+      "head": (fns.head_step, (w["head"], table, x, tok, S((B, T), jnp.float32))),
+      "embed backward": (fns.embed_bwd, (tok, x)),
+  }
+  for kind in spec.kinds:
+    _, daux = jax.eval_shape(fns.block_fwd[kind], w[kind], x, ctx)
+    calls[f"{kind} forward"] = (fns.block_fwd[kind], (w[kind], x, ctx))
+    calls[f"{kind} backward"] = (fns.block_bwd[kind], (w[kind], x, ctx, x, daux))
+  out = {}
+  for name, (fn, args) in calls.items():
+    def with_precision(*a, fn=fn):
+      with jax.default_matmul_precision(e.matmul_precision):
+        return fn(*a)
+    stats = jax.jit(with_precision).lower(*args).compile().memory_analysis()
+    out[name] = {"argument": stats.argument_size_in_bytes, "output": stats.output_size_in_bytes,
+                 "temp": stats.temp_size_in_bytes, "alias": stats.alias_size_in_bytes}
+  _COMPILED_MEMORY[key] = out
+  return out
+
+
+_COMPILED_MEMORY: dict = {}

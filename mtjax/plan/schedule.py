@@ -1,0 +1,167 @@
+"""The step's time: parameter and FLOP counts, machine rates, and a simulation of the engine's
+schedule over its four lanes (host->device copies, device compute, device->host copies, the host
+optimizer)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mtjax import config as config_lib, models
+
+def param_counts(m: config_lib.ModelConfig) -> dict[str, int]:
+  """Parameters: `total`, `active` per token (a mixture's unchosen experts left out), and one
+  group's of each layer kind ("embed", "head", each block kind: mtjax.models.spec)."""
+  return models.spec(m).counts
+
+
+def flops(cfg: config_lib.Config) -> dict[str, float]:
+  """FLOPs of one training step at the config's batch and sequence length.
+
+  `model`: 6 x active parameters x tokens, the usual count (attention's own matmuls left out; a
+  mixture of experts counts the experts a token uses).
+  `attention`: those matmuls, scores and values, forward and backward (3 x the forward), counting
+  only the causal pairs a flash kernel computes, and for sliding layers those in the window.
+  `with_attention`: their sum, the work a long context is judged by."""
+  m, t = cfg.model, cfg.train
+  spec = models.spec(m)
+  model = 6 * spec.counts["active"] * t.batch * t.seq
+  attention = 3 * spec.attention_forward_flops(t.batch, t.seq, causal_half=True)
+  return {"model": float(model), "attention": float(attention),
+          "with_attention": float(model + attention)}
+
+
+# An AdamW update on the device reads weights, gradient and both moments and writes weights and
+# moments back, all fp32: 28 bytes per parameter through device memory.
+DEVICE_UPDATE_BYTES = 28
+
+
+# The LM head's loss step moves each chunk's fp32 logits through device memory about six times
+# (written, max and logsumexp, softmax, its gradient written, read by two matmuls): bytes per
+# (token, vocabulary entry), beside its matmuls; a 128k vocabulary makes this 10-30% of the head.
+HEAD_LOGIT_BYTES = 24
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+  """Machine rates for the step-time prediction (defaults: the lent H200 box, measured)."""
+  matmul_tflops: float = 600.0  # bf16 dense matmul through jax.jit
+  # cuDNN's fused causal attention, forward and backward, bf16, head_dim 128: 465-476 TFLOP/s
+  # measured on the H200 at 128k-512k tokens (benchmarks/results/session6/context)
+  attention_tflops: float = 470.0
+  h2d_gbps: float = 53.0  # pinned host -> device
+  d2h_gbps: float = 53.0  # device -> pinned host
+  # The fused in-place AdamW alone, 16 cores (4.4-5.6 Gparam/s measured): the roofline's figure.
+  host_adamw_gparams: float = 4.4
+  # The same loop inside a training step, beside the device's compute and copies: fitted to the
+  # host path (every group's state on the host) on the H200 boxes lent now, the 3.37B shape at
+  # 8 x 2048 (1.269 s) and the 8B (3.090 s); with it the schedule predicts both within 1%. An
+  # earlier box ran it at 4.2 (benchmarks/results/record/): the schedule's optimistic end.
+  host_adamw_in_step_gparams: float = 3.4
+  host_adamw_in_step_best_gparams: float = 4.2
+  # The device's memory bandwidth (a large device-to-device copy, bytes read and written: 4.3 TB/s
+  # on the H200): an update on the device and the LM head's softmax are bound by it.
+  hbm_gbps: float = 4300.0
+  accelerator: bool = True  # False: the CPU backend runs the layers (no CUDA runtime, no pinned pool)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+  """One layer group as the schedule sees it: parameters, device seconds forward and backward
+  (the head's whole loss step counts as forward), saved-input bytes that cross the link."""
+  params: int
+  fwd_s: float
+  bwd_s: float
+  checkpoint_bytes: int
+
+
+def simulate(layers: list[Layer], tiers, rates: Rates, inflight: int = 2, grad_queue: int = 4,
+             overlap: bool = True, steps: int = 4, clip: str | None = None) -> float:
+  """Predicted step time of the engine's schedule: four in-order lanes (host->device copies, device
+  compute, device->host copies, the host optimizer) and the engine's dependencies between them.
+
+  `tiers` gives each group's tier (an int k means: the first k groups streamed, the rest host).
+  Forward, group g: host groups' weights are copied once their last update is done (stream and
+  device groups' weights are on the device already), at most `inflight` layers ahead of the
+  device. Backward, in reverse: weights (or, for stream groups, the optimizer state) come in, the
+  gradient (or the optimizer state) goes out, and the host optimizer takes host groups in order;
+  the device waits once more than `grad_queue` updates are queued. Device groups move nothing.
+  Without overlap every item runs alone. Exact clipping (`clip`, optim.clip_mode) changes the
+  backward: `host_buffer` applies every update only once the backward has ended (the host
+  optimizer cannot overlap it); `recompute` runs a norm-only backward before the applying one.
+  Steady state: the last step's length.
+  """
+  n = len(layers)
+  if isinstance(tiers, int):
+    tiers = ["stream"] * tiers + ["host"] * (n - tiers)
+  h2d_rate, d2h_rate = rates.h2d_gbps * 1e9, rates.d2h_gbps * 1e9
+  opt_rate = rates.host_adamw_in_step_gparams * 1e9
+  hbm_rate = rates.hbm_gbps * 1e9
+  free = {"h2d": 0.0, "compute": 0.0, "d2h": 0.0, "opt": 0.0}
+  updated = [0.0] * n  # when group g's last update finished
+  moments_back = [0.0] * n  # when a stream group's optimizer state was last back in host memory
+  starts = []
+
+  def run(lane, ready, dur):
+    start = max(free[lane], ready)
+    if not overlap:
+      start = max(start, *free.values())
+    free[lane] = start + dur
+    return free[lane]
+
+  def _update(g, ready):
+    """Group g's update, its gradient ready at `ready` (on the host for host groups)."""
+    lay, tier = layers[g], tiers[g]
+    if tier == "stream":  # m and v go back; the device's new weights stay for the next forward
+      updated[g] = run("compute", ready, lay.params * DEVICE_UPDATE_BYTES / hbm_rate)
+      moments_back[g] = run("d2h", updated[g], 8 * lay.params / d2h_rate)
+    elif tier == "device":
+      updated[g] = run("compute", ready, lay.params * DEVICE_UPDATE_BYTES / hbm_rate)
+    else:
+      updated[g] = run("opt", ready, lay.params / opt_rate)
+      opt_done.append(updated[g])
+
+  for _ in range(steps):
+    host_t = free["compute"]  # the host syncs on the loss and norms at the end of a step
+    starts.append(host_t)
+    done = [0.0] * n  # forward compute done
+    for g, lay in enumerate(layers):
+      gate = done[g - 1 - inflight] if g - 1 - inflight >= 0 else host_t
+      arrived = (updated[g] if tiers[g] != "host" else
+                 run("h2d", max(updated[g], gate), 4 * lay.params / h2d_rate))
+      done[g] = run("compute", max(arrived, gate), lay.fwd_s)
+      if lay.checkpoint_bytes:
+        run("d2h", done[g], lay.checkpoint_bytes / d2h_rate)
+    # clip="recompute": a norm-only backward first (nothing updated), then the applying one.
+    for applying in ((False, True) if clip == "recompute" else (True,)):
+      opt_done: list[float] = []  # host updates of this backward, in order
+      held = []  # clip="host_buffer": (group, gradient landed) until the backward has ended
+      bwd_done = [0.0] * n
+      for g in reversed(range(n)):
+        gate = opt_done[-grad_queue - 1] if len(opt_done) > grad_queue else host_t
+        if g + 2 + inflight < n:
+          gate = max(gate, bwd_done[g + 2 + inflight])
+        lay, tier = layers[g], tiers[g]
+        streamed = tier == "stream" and applying
+        if g == n - 1:  # the head's gradient exists once its (forward) step ran
+          computed = done[-1]
+          if streamed:  # its moments, for the device update, once last step's are back
+            run("h2d", max(gate, moments_back[g]), 8 * lay.params / h2d_rate)
+        else:
+          # weights (the embedding's backward needs none), or only the moments when streamed
+          nbytes = {"stream": 8 * lay.params * applying, "host": 4 * lay.params * (g > 0),
+                    "device": 0}[tier] + lay.checkpoint_bytes
+          ready = max(gate, moments_back[g]) if streamed else gate
+          arrived = run("h2d", ready, nbytes / h2d_rate) if nbytes else ready
+          computed = run("compute", max(arrived, gate), lay.bwd_s)
+        bwd_done[g] = computed
+        if not applying:
+          continue
+        landed = run("d2h", computed, 4 * lay.params / d2h_rate) if tier == "host" else computed
+        if clip == "host_buffer":
+          held.append((g, landed))
+          continue
+        _update(g, landed)
+      end = free["compute"]  # the global norm is known: held gradients are applied in order
+      for g, landed in held:
+        _update(g, max(landed, end))
+  return starts[-1] - starts[-2]

@@ -1,0 +1,459 @@
+"""The plan of a run: every item's bytes in each memory, the simulated step, and the search for a
+placement (each layer group's tier) and an activation policy that fit both memories fastest."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from mtjax import config as config_lib, models
+from mtjax.plan.memory import (DEVICE_TIER_HOST_SHARE, GiB, RUNTIME_HOST_BYTES,
+                               RUNTIME_HOST_BYTES_CPU, SAVED_INPUT_ROUNDING, hf_staging_bytes,
+                               pinned_pool_bytes)
+from mtjax.plan.schedule import (DEVICE_UPDATE_BYTES, HEAD_LOGIT_BYTES, Layer, Rates,
+                                 param_counts, simulate)
+
+class PlanError(RuntimeError):
+  """The run does not fit; the message gives the numbers and what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  params: int
+  tiers: tuple[str, ...]  # each group's tier: host, stream or device (see mtjax.store)
+  host: dict[str, int]  # bytes by item
+  device: dict[str, int]  # bytes by item
+  pinned: int  # of `host`, bytes that must be pinned (the XLA pinned pool must hold them)
+  step_s: dict[str, float]  # predicted lower-bound terms
+  host_limit: int | None
+  device_limit: int | None
+  schedule_s: float  # predicted step time from simulating the engine's schedule (`simulate`)
+  schedule_best_s: float  # the same with the best in-step host AdamW rate measured
+  compiled: bool  # the layer executables' device bytes came from XLA's analysis of the compiled code
+  pinned_cap: int | None = None  # the pinned pool's cap when it was fixed before this plan
+  grad_queue: int = 4  # host-group gradients queued before the device waits (resolved when auto)
+  devices: int = 1  # data-parallel devices; `device` and `device_limit` are per device
+  activations_every: int = 1  # every K-th block's input kept (resolved when auto)
+  activations_on_host: int = 0  # of the kept inputs, the first ones spilled to pinned host memory
+  device_tier_bytes: int = 0  # the device tier's state, all devices together
+  runner_up: tuple | None = None  # (device, stream groups, simulated step s) of the next-best placement
+  family: str = "llama"  # the model family (mtjax.models)
+  active_params: int | None = None  # parameters a token uses (a mixture's chosen experts)
+
+  @property
+  def device_state_layers(self) -> int:
+    return self.tiers.count("device")
+
+  @property
+  def device_update_layers(self) -> int:
+    return self.tiers.count("stream")
+
+  @property
+  def host_total(self) -> int:
+    return sum(self.host.values())
+
+  @property
+  def device_total(self) -> int:
+    return sum(self.device.values())
+
+  @property
+  def host_bytes_per_param(self) -> float:
+    """Bytes of persistent state per parameter, wherever it lives (host and device tiers)."""
+    state = self.host["master weights"] + self.host["optimizer state"] + self.device_tier_bytes
+    return state / self.params
+
+  @property
+  def fits_host(self) -> bool:
+    return self.host_limit is None or self.host_total <= self.host_limit
+
+  @property
+  def fits_pool(self) -> bool:
+    return self.pinned_cap is None or pinned_pool_bytes(self.pinned) <= self.pinned_cap
+
+  @property
+  def fits_device(self) -> bool:
+    return self.device_limit is None or self.device_total <= self.device_limit
+
+  @property
+  def roofline_s(self) -> float:
+    """The largest of the roofline terms: no schedule runs a step faster."""
+    return max(self.step_s.values())
+
+  def resolve(self, cfg: config_lib.Config) -> config_lib.Config:
+    """`cfg` with this plan's placement written in: everything downstream takes concrete numbers."""
+    return dataclasses.replace(cfg, engine=dataclasses.replace(
+        cfg.engine, device_state_layers=self.device_state_layers,
+        device_update_layers=self.device_update_layers, grad_queue=self.grad_queue,
+        devices=self.devices, activations_every=self.activations_every,
+        activations=(self.activations_on_host if cfg.engine.activations == "auto"
+                     else cfg.engine.activations)))
+
+
+def make(cfg: config_lib.Config, host_limit: int | None = None, device_limit: int | None = None,
+         rates: Rates = Rates(), working: dict | None = None, opt_bytes: dict | None = None,
+         pinned_cap: int | None = None) -> Plan:
+  """The plan of `cfg`; an `auto` placement is resolved here, once.
+
+  `engine.device_state_layers` and `engine.device_update_layers` at `auto` (the defaults) take,
+  among every pair of counts that fits both memories, all state in device memory when that fits,
+  else the pair whose simulated step (`simulate`) is the shortest (`_place`).
+
+  Args:
+    working: device bytes of the layer executables from `mtjax.plan.compiled_memory`; without
+      it they are estimated by formula (before the backend starts).
+    opt_bytes: optimizer-state bytes per group kind; default AdamW's 8 B/param.
+    pinned_cap: the pinned pool's cap when it is fixed already (the backend has started).
+  """
+  refuse_by_size(cfg, host_limit, device_limit)
+  if "auto" in (cfg.engine.activations_every, cfg.engine.activations):
+    return _checkpoints(cfg, lambda c: make(c, host_limit, device_limit, rates, working,
+                                            opt_bytes, pinned_cap))
+  e = cfg.engine
+  G = cfg.model.layers + 2
+  plans: dict[tuple[int, int, int], Plan] = {}
+  queue = 4 if e.grad_queue == "auto" else e.grad_queue
+
+  def build(n_state, n_upd, q=None, optimistic=False):
+    q = queue if q is None else q
+    key = (n_state, n_upd, q, optimistic)
+    if key not in plans:  # the search compares pessimistic schedules; the chosen gets both
+      plans[key] = _make(
+          cfg, ["device"] * n_state + ["stream"] * n_upd + ["host"] * (G - n_state - n_upd),
+          host_limit, device_limit, rates, working, opt_bytes, pinned_cap, q, optimistic)
+    return plans[key]
+
+  def final(p):
+    full = build(p.device_state_layers, p.device_update_layers, p.grad_queue, optimistic=True)
+    return dataclasses.replace(full, runner_up=p.runner_up)
+
+  plan = _place(cfg, build, G, host_limit, device_limit, rates)
+  if e.grad_queue != "auto":
+    return final(plan)
+  # A deeper queue lets the device run on while the host optimizer catches up, at 4 B/param of
+  # pinned gradient buffers per slot: the shallowest within 1% of the fastest that leaves 3% of
+  # the host spare.
+  n_state, n_upd = plan.device_state_layers, plan.device_update_layers
+  fits = {q: build(n_state, n_upd, q) for q in GRAD_QUEUES}
+  fits = {q: p for q, p in fits.items()
+          if p.fits_host and p.fits_pool and (host_limit is None or p.host_total <= 0.97 * host_limit)}
+  if not fits:
+    return final(plan)
+  shortest = min(p.schedule_s for p in fits.values())
+  chosen = fits[min(q for q, p in fits.items() if p.schedule_s <= shortest * 1.01)]
+  return final(dataclasses.replace(chosen, runner_up=plan.runner_up))
+
+
+GRAD_QUEUES = (2, 4, 6, 8, 12, 16, 24)  # what engine.grad_queue=auto chooses among
+
+
+ACTIVATIONS_EVERY = (1, 2, 3, 4, 6, 8, 12, 16)  # what engine.activations_every=auto chooses among
+
+
+def _checkpoints(cfg: config_lib.Config, make_plan) -> Plan:
+  """Where the blocks' saved inputs go (`engine.activations_every` and `engine.activations`: auto).
+
+  `activations_every: auto` alone keeps every block's input while the device holds them, else the
+  fewest kept that fit. `activations: auto` spills the fewest kept inputs to pinned host memory
+  that make both memories fit (copied out in the forward and back in the backward, overlapped with
+  compute); with both auto, each K's fewest spills compete on the simulated step (spilling costs
+  link time, re-running a segment costs compute), the search ending at the first K that needs no
+  spill (a larger one only re-computes more). Spill counts are tried from 0 up: device bytes need
+  not fall as more are spilled, since host bytes grow and `device_state_layers: auto` may then move
+  state to the device."""
+  e, L = cfg.engine, cfg.model.layers
+  with_ = lambda k, a: make_plan(dataclasses.replace(cfg, engine=dataclasses.replace(
+      e, activations_every=k, activations=a)))
+  fits = lambda p: p.fits_device and p.fits_host and p.fits_pool
+  best = plan = None
+  for k in ACTIVATIONS_EVERY if e.activations_every == "auto" else (e.activations_every,):
+    if e.activations != "auto":
+      plan = with_(k, e.activations)
+      if plan.fits_device:
+        return plan
+      continue
+    for n in range(-(-L // k) + 1):
+      plan = with_(k, n)
+      if fits(plan):
+        break
+    if fits(plan) and (best is None or plan.schedule_s < best.schedule_s):
+      best = plan
+    if best is not None and best.activations_on_host == 0:
+      break
+  return best or plan
+
+
+# A placement the planner chooses leaves this share of each memory spare: its estimates of the
+# device's (XLA's allocator) and the host's (the runtime) peaks err by a few percent.
+DEVICE_SPARE, HOST_SPARE = 0.05, 0.03
+
+
+EXHAUSTIVE_GROUPS = 40  # up to this many layer groups the search tries every pair
+
+
+def _place(cfg, build, G, host_limit, device_limit, rates) -> Plan:
+  """The placement part of `make`: every (device, stream) count pair that fits both memories (with
+  DEVICE_SPARE and HOST_SPARE left for an `auto` count, or without where nothing fits with them),
+  all state in device memory when it fits, else the pair with the shortest simulated step (ties:
+  more groups in device memory); an explicit count is taken as given. The runner-up is recorded in
+  the plan. Past EXHAUSTIVE_GROUPS groups a coarse grid is searched first, then every pair near
+  its best. On the CPU backend nothing moves to "device" memory (it is host memory there)."""
+  e = cfg.engine
+  auto_state, auto_upd = e.device_state_layers == "auto", e.device_update_layers == "auto"
+  if not rates.accelerator:
+    return build(0 if auto_state else e.device_state_layers, 0 if auto_upd else
+                 e.device_update_layers)
+  states = range(G + 1) if auto_state else (min(e.device_state_layers, G),)
+  upds = lambda n: (range(G - n + 1) if auto_upd else (min(e.device_update_layers, G - n),))
+  for spare in (True, False):
+    chosen = spare and (auto_state or auto_upd)
+    device_ok = lambda p: p.fits_device and (not chosen or device_limit is None or
+                                             p.device_total <= (1 - DEVICE_SPARE) * device_limit)
+    host_ok = lambda p: p.fits_host and p.fits_pool and (not chosen or host_limit is None or
+                                                         p.host_total <= (1 - HOST_SPARE) * host_limit)
+
+    def search(state_counts, upd_counts):
+      found = []
+      for n_state in state_counts:
+        fitted_device = False
+        for n_upd in upd_counts(n_state):
+          p = build(n_state, n_upd)
+          if not device_ok(p):
+            break  # device bytes grow with every streamed group
+          fitted_device = True
+          if host_ok(p):
+            found.append(p)
+        if not fitted_device and n_state:
+          break  # and with every group held in device memory
+      return found
+
+    if G <= EXHAUSTIVE_GROUPS:
+      candidates = search(states, upds)
+    else:  # a coarse grid, then every pair around its best
+      step = -(-G // 20)
+      coarse = search(states[::step] if auto_state else states,
+                      lambda n: upds(n)[::step] if auto_upd else upds(n))
+      candidates = coarse
+      if coarse:
+        b = min(coarse, key=lambda p: (p.schedule_s, -p.device_state_layers))
+        near = lambda lo, n: range(max(0, lo - step), min(n, lo + step) + 1)
+        candidates += search(
+            near(b.device_state_layers, G) if auto_state else states,
+            lambda n: (near(b.device_update_layers, G - n) if auto_upd else upds(n)))
+        candidates += [build(G, 0)] if auto_state and host_ok(build(G, 0)) and device_ok(
+            build(G, 0)) else []
+    if candidates:
+      break
+  if not candidates:  # refused by check(): the plan that comes closest says why
+    return build(0 if auto_state else e.device_state_layers,
+                 0 if auto_upd else e.device_update_layers)
+  unique = {(p.device_state_layers, p.device_update_layers): p for p in candidates}
+  ranked = sorted(unique.values(), key=lambda p: (p.schedule_s, -p.device_state_layers))
+  everything = [p for p in ranked if p.device_state_layers == G]
+  best = everything[0] if everything else ranked[0]
+  runner = next((p for p in ranked if p is not best), None)
+  if runner is None:
+    return best
+  return dataclasses.replace(best, runner_up=(runner.device_state_layers,
+                                              runner.device_update_layers, runner.schedule_s))
+
+
+def refuse_by_size(cfg: config_lib.Config, host_limit: int | None, device_limit: int | None):
+  """Raises PlanError when the state alone (weights and AdamW moments, 12 B/param) exceeds host
+  and device memory together: byte arithmetic on the config, before anything is laid out or
+  searched (an absurd size is refused at once)."""
+  if host_limit is None:
+    return
+  m = cfg.model
+  D = m.hidden
+  # A lower bound on the parameters without a layout: embedding (and head), each block's query
+  # and output projections and its feed-forward's matrices (a mixture's every expert).
+  mlp = 3 * D * m.ffn
+  if m.moe is not None:
+    mlp = min(mlp, 3 * D * m.moe.expert_ffn * m.moe.experts)
+  params = m.vocab_size * D * (1 if m.tie_embeddings else 2) + m.layers * (
+      2 * D * m.heads * m.dim_per_head + mlp)
+  state = 12 * params
+  total = host_limit + (device_limit or 0) * devices_of(cfg)
+  if state > total:
+    raise PlanError(f"does not fit in host memory and device memory together: the weights and "
+                    f"optimizer state alone need at least {state / GiB:,.1f} GiB ({params / 1e9:,.2f}B "
+                    f"params x 12 B/param) where {total / GiB:,.1f} GiB are available; use a "
+                    f"smaller model")
+
+
+def devices_of(cfg: config_lib.Config, available: int | None = None) -> int:
+  """The data-parallel device count: `engine.devices`, or all `available` (default 1)."""
+  return (available or 1) if cfg.engine.devices == "all" else cfg.engine.devices
+
+
+def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, rates: Rates,
+          working: dict | None, opt_bytes: dict | None, pinned_cap: int | None,
+          grad_queue: int, optimistic: bool = True) -> Plan:
+  m, e, t, o = cfg.model, cfg.engine, cfg.train, cfg.optim
+  nd = devices_of(cfg)  # resolved by the caller
+  spec = models.spec(m)
+  pc = spec.counts
+  P, L = pc["total"], m.layers
+  kinds = [k for _, k in spec.groups]
+  sizes = [pc[k] for k in kinds]
+  ob = [(opt_bytes or {}).get(k, 8 * pc[k]) for k in kinds]  # optimizer state bytes per group
+  on = lambda tier: [i for i, tr in enumerate(tiers) if tr == tier]
+  host_g, stream_g, dev_g = on("host"), on("stream"), on("device")
+  act = 2 if e.compute_dtype == "bfloat16" else 4
+  tokens = t.batch * t.seq
+  top = lambda group_sizes, k: sum(sorted(group_sizes, reverse=True)[:k])  # the k largest
+  largest_stream = max((sizes[i] for i in stream_g), default=0)
+  largest_stream_opt = max((ob[i] for i in stream_g), default=0)
+  largest_dev = max((sizes[i] + ob[i] // 4 for i in dev_g), default=0)
+  streamed = [sizes[i] for i in host_g + stream_g]
+  checkpoint = t.batch * t.seq * m.hidden * act  # one block's saved input (all devices)
+  K = e.activations_every
+  kept = -(-L // K)  # blocks whose input the forward keeps
+  spilled = e.activations_on_host(L)  # the first kept inputs wait in pinned host memory
+  # Device figures are the busiest device's: the batch splits evenly, device and stream groups
+  # live on home devices round-robin within their tier (mtjax.store.homes), the rest is replicated.
+  busiest = lambda per_group: max(sum(per_group[k::nd]) for k in range(nd)) if per_group else 0
+
+  host = {
+      "master weights": 4 * sum(streamed),
+      "optimizer state": sum(ob[i] for i in host_g + stream_g),
+      # at most grad_queue queued, one being applied, one landing
+      "gradients in flight": 4 * top([sizes[i] for i in host_g], grad_queue + 2),
+      "clip gradient buffer": (4 * sum(sizes[i] for i in host_g)
+                               if (o.clip_norm and o.clip_mode == "host_buffer") else 0),
+      "stream staging": 2 * (4 * largest_stream + largest_stream_opt) if stream_g else 0,
+      "device-tier staging (sync, checkpoints)": 4 * largest_dev if dev_g else 0,
+      "activations on host": spilled * checkpoint,
+      "import / export staging (start / end)": hf_staging_bytes(cfg),
+      "runtime": RUNTIME_HOST_BYTES if rates.accelerator else RUNTIME_HOST_BYTES_CPU,
+      "device-tier host allowance (measured)": int(DEVICE_TIER_HOST_SHARE * sum(
+          4 * sizes[i] + ob[i] for i in dev_g)) if rates.accelerator else 0,
+  }
+  pinned = (host["master weights"] + sum(ob[i] for i in stream_g) + host["gradients in flight"]
+            + host["clip gradient buffer"] + host["stream staging"]
+            + host["device-tier staging (sync, checkpoints)"] + host["activations on host"])
+  host["pinned pool headroom"] = pinned_pool_bytes(pinned) - pinned if rates.accelerator else 0
+
+  device = {
+      "weights and optimizer state (device tier)": busiest([4 * sizes[i] + ob[i] for i in dev_g]),
+      "resident weights (stream tier)": busiest([4 * sizes[i] for i in stream_g]),
+      "optimizer state in flight (stream tier)": 2 * 2 * largest_stream_opt,
+      "streamed weights": 4 * top(streamed, e.inflight_layers + 1),
+      "gradients": 4 * top(sizes, 2),
+      # kept inputs in device memory (and two in flight from the host when some are spilled),
+      # and with K > 1 one segment's re-computed inputs plus the block's own at the turn between
+      # two segments
+      "saved activations": ((kept - spilled + (2 if spilled else 0))
+                            + (K + 1 if K > 1 else 0)) * checkpoint // nd,
+      # (accelerators only) the allocator's rounding of the saved inputs in device memory
+      "allocator rounding (measured)": int(SAVED_INPUT_ROUNDING * min(checkpoint // nd, 128 * 2**20)
+                                           * (kept - spilled)) if rates.accelerator else 0,
+      # clip_mode=host_buffer: stream and device groups' gradients (and stream groups' prefetched
+      # state) wait on the device until the global norm is known
+      "clip-held gradients": (sum(4 * sizes[i] for i in stream_g + dev_g)
+                              + busiest([ob[i] for i in stream_g])
+                              if (o.clip_norm and o.clip_mode == "host_buffer") else 0),
+  }
+  if working is not None:
+    # The largest executable's temporaries and outputs (its arguments are the items above).
+    device["layer executables (compiled)"] = max(w["temp"] + w["output"] for w in working.values())
+  else:
+    mb = e.micro_batch or max(1, t.batch // nd)
+    D, F, V = m.hidden, m.ffn, m.vocab_size
+    if m.moe is not None:  # a token's experts' inner width, and its sorted copies
+      F = max(F, m.moe.experts_per_token * (m.moe.expert_ffn + 2 * D) + m.moe.shared_width)
+    H = m.heads
+    # One block's backward over one micro-batch: its forward re-run under vjp keeps about a dozen
+    # [mb, T, D]-sized and three [mb, T, F]-sized intermediates, and as many cotangents; tiled
+    # over the sequence (engine.seq_tile), about eight [mb, T, D] (input, q, k, v, attention
+    # output, residuals) and one tile's share of the rest.
+    tile = min(e.seq_tile or t.seq, t.seq)
+    layer_acts = 2 * mb * act * (t.seq * (12 * D + 3 * F) if tile == t.seq
+                                 else t.seq * 8 * D + tile * (4 * D + 3 * F))
+    attn = (mb * H * t.seq * 4 * 2 if e.attention != "xla" and e.compute_dtype == "bfloat16"
+            else 3 * mb * H * t.seq * t.seq * 4)  # flash: row stats; XLA: scores, probs, their grad
+    chunk = min(e.loss_chunk, tokens)
+    device["layer working set (estimated)"] = max(layer_acts + attn + 3 * tokens * D * act,
+                                                  chunk * V * (4 + 4 + act) + 8 * D * V)
+
+  D, V = m.hidden, m.vocab_size
+  causal = 0.5 if e.compute_dtype == "bfloat16" and e.attention != "xla" else 1.0
+  rerun = 1 + (K - 1) / K  # a block's forward runs again in the backward: once, or twice in a segment
+  # Seconds for matmul FLOPs and attention FLOPs: a fused (flash) attention kernel runs below the
+  # dense matmul rate; XLA's attention is plain matmuls.
+  attn_rate = rates.attention_tflops if causal < 1 else rates.matmul_tflops
+  seconds = lambda matmul, attn: (matmul / rates.matmul_tflops + attn / attn_rate) / (nd * 1e12)
+  N, dqk, dv = spec.attention_widths
+  # each block's matrix parameters a token uses, and its attention matmuls in the forward
+  block_matmul = [spec.matmul_params(kinds[i + 1]) for i in range(L)]
+  attn_fwd = [2 * N * (dqk + dv) * spec.attention_pairs(i, t.batch, t.seq, causal < 1)
+              for i in range(L)]
+  # forward, its re-runs, backward (2x the forward): matmuls and causal attention
+  compute_s = (seconds((6 + 2 * rerun) * sum(block_matmul) * tokens + 6 * D * V * tokens,
+                       (3 + rerun) * sum(attn_fwd))
+               + HEAD_LOGIT_BYTES * V * tokens / (nd * rates.hbm_gbps * 1e9)
+               + DEVICE_UPDATE_BYTES * sum(sizes[i] for i in stream_g + dev_g) / (rates.hbm_gbps * 1e9))
+  ckpt_link = spilled * checkpoint
+  # Host groups' weights cross twice (forward, backward; the embedding's backward needs none),
+  # stream groups' optimizer state crosses both ways, device groups cross nothing.
+  twice = lambda i: 1 + rerun if 0 < i <= L else 1  # blocks' re-runs fetch their weights again
+  h2d = (sum(4 * sizes[i] * twice(i) for i in host_g) + sum(ob[i] for i in stream_g) + ckpt_link)
+  d2h = 4 * sum(sizes[i] for i in host_g) + sum(ob[i] for i in stream_g) + ckpt_link
+  host_updated = sum(sizes[i] for i in host_g)
+  step_s = {
+      "compute": compute_s,
+      "host->device": h2d / (rates.h2d_gbps * 1e9),
+      "device->host": d2h / (rates.d2h_gbps * 1e9),
+      "host optimizer": host_updated / (rates.host_adamw_gparams * 1e9),
+  }
+  block_fwd = [seconds(2 * block_matmul[i] * tokens, attn_fwd[i]) for i in range(L)]
+  layers = [Layer(sizes[0], 0.0, 0.0, 0)]
+  # A block whose input was not kept has its forward re-run in the backward: (K-1)/K of them.
+  layers += [Layer(sizes[i + 1], block_fwd[i], (2 + rerun) * block_fwd[i],
+                   checkpoint if i % K == 0 and i // K < spilled else 0) for i in range(L)]
+  head_s = seconds(6 * D * V * tokens, 0) + HEAD_LOGIT_BYTES * V * tokens / (nd * rates.hbm_gbps * 1e9)
+  layers += [Layer(sizes[-1], head_s, 0.0, 0)]
+  if not rates.accelerator:  # the CPU backend's "device" memory is host RAM
+    host["device memory (CPU backend: host RAM)"] = sum(device.values())
+  fits = ((host_limit is None or sum(host.values()) <= host_limit)
+          and (device_limit is None or sum(device.values()) <= device_limit))
+  if fits:  # the simulation costs O(layers); a plan that does not fit needs none
+    clip = o.clip_mode if o.clip_norm else None
+    sched = simulate(layers, tiers, rates, e.inflight_layers, grad_queue, clip=clip)
+    best = dataclasses.replace(rates,
+                               host_adamw_in_step_gparams=rates.host_adamw_in_step_best_gparams)
+    sched_best = (simulate(layers, tiers, best, e.inflight_layers, grad_queue, clip=clip)
+                  if optimistic else sched)
+  else:
+    sched = sched_best = math.inf
+  return Plan(P, tuple(tiers), host, device, pinned, step_s, host_limit, device_limit, sched,
+              min(sched, sched_best), working is not None, pinned_cap, grad_queue, devices=nd,
+              activations_every=K, activations_on_host=spilled,
+              device_tier_bytes=sum(4 * sizes[i] + ob[i] for i in dev_g), family=m.family,
+              active_params=pc["active"])
+
+
+def check(plan: Plan) -> None:
+  """Raises PlanError (one line: the numbers and what to change) if the plan does not fit."""
+  if not plan.fits_host:
+    state = plan.host["master weights"] + plan.host["optimizer state"]
+    raise PlanError(
+        f"does not fit in host memory: needs {plan.host_total / GiB:.1f} GiB "
+        f"({state / GiB:.1f} GiB state of {plan.params / 1e9:.2f}B params + "
+        f"{(plan.host_total - state) / GiB:.1f} GiB buffers, "
+        f"{plan.device_state_layers} groups' state in device memory), limit "
+        f"{plan.host_limit / GiB:.1f} GiB; use a smaller model, fewer engine.activations on the host, "
+        f"optim.clip_mode=recompute, more engine.device_state_layers or a lower engine.grad_queue")
+  if not plan.fits_pool:
+    raise PlanError(
+        f"does not fit in the pinned host pool: needs {pinned_pool_bytes(plan.pinned) / GiB:.1f} "
+        f"GiB, cap {plan.pinned_cap / GiB:.1f} GiB (set before the backend started); call "
+        f"mtjax.plan.prepare before anything touches jax, or set XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")
+  if not plan.fits_device:
+    top = max(plan.device, key=plan.device.get)
+    raise PlanError(
+        f"does not fit in device memory: needs {plan.device_total / GiB:.1f} GiB (largest: {top} "
+        f"{plan.device[top] / GiB:.1f} GiB), limit {plan.device_limit / GiB:.1f} GiB; lower "
+        f"train.batch or engine.micro_batch, use engine.activations=auto, "
+        f"engine.activations_every=auto, engine.seq_tile or fewer "
+        f"engine.device_state_layers / engine.device_update_layers")
