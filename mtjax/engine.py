@@ -79,7 +79,7 @@ def layer_fns(spec: models.ModelSpec, compute_dtype, micro_batch: int | None, lo
               strided: bool | None = None, moe_impl: str = "ragged") -> LayerFns:
   """The layer functions of every kind of `spec`'s model; `micro_batch` counts sequences per chunk
   on each of `devices`, `seq_tile` tokens per tile of a block's per-token work (see
-  models.layers.Block). `strided` (default: several devices) splits micro-batches and loss chunks
+  models.block.Block). `strided` (default: several devices) splits micro-batches and loss chunks
   so that each spans every device."""
   cd = compute_dtype
   cfg = spec.cfg

@@ -10,7 +10,7 @@ from hypothesis import given, strategies as hst
 import reference as ref
 from numerics import assert_close, assert_trees_close
 from mtjax import config, engine, models
-from mtjax.models import layers
+from mtjax.models import block as block_lib, layers
 
 
 def model_cfg(**kw):
@@ -45,7 +45,7 @@ def test_block_equals_naive_reference(heads, kv, bias, scaling, T, qk_norm, pack
   x = jax.random.normal(jax.random.key(1), (2, T, cfg.hidden))
   pos, seg = packed_ctx(2, T, T) if packed else (None, None)
   ctx = layers.Ctx(jnp.asarray(pos), jnp.asarray(seg)) if packed else None
-  got, aux = layers.Block(cfg, implementation=impl).apply({"params": p}, x, ctx)
+  got, aux = block_lib.Block(cfg, implementation=impl).apply({"params": p}, x, ctx)
   assert aux == {}  # a dense block has no auxiliary sums
   want = ref.block(x, p, cfg, pos, seg)
   assert_close(got, want, name="block output")
@@ -114,7 +114,7 @@ def block_vjps(cfg, impl, variants, x, ctx):
   def run(p, x, dy):
     outs = []
     for seq_tile, dtype in variants:
-      block = layers.Block(cfg, implementation=impl, seq_tile=seq_tile)
+      block = block_lib.Block(cfg, implementation=impl, seq_tile=seq_tile)
       p_, x_, dy_ = jax.tree.map(lambda a: a.astype(dtype), (p, x, dy))
       y, pullback = jax.vjp(lambda p, x: block.apply({"params": p}, x, ctx)[0], p_, x_)
       outs.append((y, pullback(dy_)))
@@ -138,8 +138,8 @@ def test_tiled_block_equals_untiled(T, packed, qk_norm):
 def test_tiled_block_has_the_untiled_parameters():
   cfg = model_cfg(qkv_bias=True, qk_norm=True)
   x = jax.ShapeDtypeStruct((1, 19, cfg.hidden), jnp.float32)
-  untiled = jax.eval_shape(layers.Block(cfg).init, jax.random.key(0), x)
-  tiled = jax.eval_shape(layers.Block(cfg, seq_tile=4).init, jax.random.key(0), x)
+  untiled = jax.eval_shape(block_lib.Block(cfg).init, jax.random.key(0), x)
+  tiled = jax.eval_shape(block_lib.Block(cfg, seq_tile=4).init, jax.random.key(0), x)
   assert jax.tree.structure(tiled) == jax.tree.structure(untiled)
   chex.assert_trees_all_equal_shapes_and_dtypes(tiled, untiled)
 
@@ -158,11 +158,11 @@ def test_tiled_block_in_bf16():
 def test_tiling_bounds_the_blocks_working_set():
   """Compiled vjp temp memory at T = 2048 with a wide MLP, whose [T x ffn] dominates untiled."""
   cfg = model_cfg(hidden=64, heads=4, kv_heads=2, ffn=2048)
-  p = jax.eval_shape(layers.Block(cfg).init, jax.random.key(0), jnp.zeros((1, 1, cfg.hidden)))
+  p = jax.eval_shape(block_lib.Block(cfg).init, jax.random.key(0), jnp.zeros((1, 1, cfg.hidden)))
   x = jax.ShapeDtypeStruct((1, 2048, cfg.hidden), jnp.float32)
 
   def temp_bytes(seq_tile):
-    block = layers.Block(cfg, implementation="blockwise", seq_tile=seq_tile)
+    block = block_lib.Block(cfg, implementation="blockwise", seq_tile=seq_tile)
 
     def vjp(p, x, dy):
       return jax.vjp(lambda p, x: block.apply(p, x)[0], p, x)[1](dy)

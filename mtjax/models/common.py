@@ -13,7 +13,7 @@ import numpy as np
 
 from mtjax.config import ModelConfig
 from mtjax.layout import Layout
-from mtjax.models import FamilyError, Piece, block_index
+from mtjax.models.registry import FamilyError, Piece, block_index
 
 
 class Reader:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from mtjax.config import ModelConfig
 from mtjax.layout import Layout
-from mtjax.models import Family, FamilyError, Piece, register
+from mtjax.models.registry import Family, FamilyError, Piece, register
 from mtjax.models.common import (Reader, base_config, layer_type_names, rope_parameters,
                                  standard_pieces)
 
@@ -28,7 +28,7 @@ from mtjax.models.common import (Reader, base_config, layer_type_names, rope_par
 # published Gemma 3 vision-language configs give only a few keys of their text_config.
 _SHARED = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=256,
                hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, tie_word_embeddings=True,
-               query_pre_attn_scalar=256, sliding_window=4096, attention_bias=False,
+               query_pre_attn_scalar=256, sliding_window=4096, attention_bias=False, pad_token_id=0,
                hidden_size=2304, intermediate_size=9216, num_hidden_layers=26)
 _DEFAULTS = {
     "gemma2": dict(_SHARED, vocab_size=256000, max_position_embeddings=8192,

@@ -5,7 +5,7 @@ layer when config.json sets one), Qwen2/2.5 (q/k/v biases; sliding windows from
 from __future__ import annotations
 
 from mtjax.config import ModelConfig
-from mtjax.models import Family, register
+from mtjax.models.registry import Family, register
 from mtjax.models.common import Reader, base_config, layer_type_names, standard_pieces
 
 # Values transformers assumes when config.json omits a key (save_pretrained drops some defaults).

@@ -5,7 +5,7 @@ the whole projection, all heads together, before RoPE (qk_norm_scope "all")."""
 from __future__ import annotations
 
 from mtjax.config import ModelConfig
-from mtjax.models import Family, FamilyError, register
+from mtjax.models.registry import Family, FamilyError, register
 from mtjax.models.common import Reader, base_config, standard_pieces
 
 # Olmo2Config's defaults for keys save_pretrained may leave out.

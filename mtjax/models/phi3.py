@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from mtjax.config import ModelConfig
 from mtjax.layout import Layout
-from mtjax.models import Family, FamilyError, Piece, block_index, register
+from mtjax.models.registry import Family, FamilyError, Piece, block_index, register
 from mtjax.models.common import Reader, base_config, standard_pieces
 
 # Phi3Config's defaults for keys save_pretrained may leave out.
