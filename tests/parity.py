@@ -59,10 +59,38 @@ class TorchResult:
   grads: dict  # parameter name -> gradient of `loss`
 
 
+def as_checkpoint(m: torch.nn.Module, values: dict | None = None) -> dict[str, np.ndarray]:
+  """A transformers model's parameters (or `values` in their place, by parameter name) under the
+  names and layouts of its saved checkpoint, as save_pretrained converts them: transformers 5
+  fuses a mixture's per-expert tensors into stacked ones when it loads and splits them again when
+  it saves. Buffers the checkpoint carries (a router's score-correction bias) keep their values."""
+  import tempfile  # noqa: PLC0415
+  import safetensors.numpy  # noqa: PLC0415
+  if values is not None:
+    params = dict(m.named_parameters())
+    saved = {k: p.detach().clone() for k, p in params.items()}
+    with torch.no_grad():
+      for k, v in values.items():
+        params[k].copy_(torch.as_tensor(v))
+  try:
+    with tempfile.TemporaryDirectory() as d:
+      m.save_pretrained(d, safe_serialization=True)
+      out = {}
+      for f in sorted(Path(d).glob("*.safetensors")):
+        out.update(safetensors.numpy.load_file(f))
+  finally:
+    if values is not None:
+      with torch.no_grad():
+        for k, v in saved.items():
+          params[k].copy_(v)
+  return {k: np.asarray(v, np.float32) for k, v in out.items()}
+
+
 def torch_reference(directory: Path, inputs: np.ndarray, targets: np.ndarray,
                     aux_coef: float = 0.0) -> TorchResult:
   """transformers' fp32 eager forward of `inputs` and torch autograd of mean CE(targets) plus
-  aux_coef x the router's load-balancing loss (asked for with output_router_logits)."""
+  aux_coef x the router's load-balancing loss (asked for with output_router_logits); the
+  gradients by checkpoint name (`as_checkpoint`; a buffer's entry, which gets none, is 0)."""
   m = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager",
                                                         dtype=torch.float32)
   m.train(False)
@@ -73,21 +101,37 @@ def torch_reference(directory: Path, inputs: np.ndarray, targets: np.ndarray,
   aux = getattr(out, "aux_loss", None)
   loss = ce + aux_coef * aux if aux_coef else ce
   loss.backward()
-  grads = {k: p.grad.numpy() for k, p in m.named_parameters() if p.grad is not None}
+  grads = {k: (p.grad if p.grad is not None else torch.zeros_like(p)).numpy()
+           for k, p in m.named_parameters()}
+  by_name = as_checkpoint(m, grads)
+  # A buffer the checkpoint carries (not a parameter) gets no gradient: it is what stays nonzero
+  # when every parameter is saved as zeros.
+  zeros = as_checkpoint(m, {k: np.zeros_like(v) for k, v in grads.items()})
+  for k, v in zeros.items():
+    if np.any(v != 0):
+      by_name[k] = np.zeros_like(by_name[k])
   return TorchResult(out.logits.detach().numpy(), float(loss),
-                     0.0 if aux is None else float(aux), grads)
+                     0.0 if aux is None else float(aux), by_name)
 
 
 def mtjax_loss_and_grads(cfg, params, inputs, targets):
   """mean CE of the targets plus the weighted auxiliary loss through `mtjax.forward`, and its
-  gradient by Hugging Face name."""
-  def loss_fn(params):
-    logits, aux_loss, _ = mtjax.forward(cfg, params, inputs, aux=True)
-    nll = token_nll(logits.reshape(-1, cfg.vocab_size), jnp.asarray(targets.reshape(-1)))
-    return jnp.mean(nll) + aux_loss
+  gradient by Hugging Face name (one jit: compiled once, not op by op)."""
+  @jax.jit
+  def loss_and_grad(params, inputs, targets):
+    def loss_fn(params):
+      logits, aux_loss, _ = mtjax.forward(cfg, params, inputs, aux=True)
+      nll = token_nll(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1))
+      return jnp.mean(nll) + aux_loss
+    return jax.value_and_grad(loss_fn)(params)
 
-  loss, grads = jax.value_and_grad(loss_fn)(params)
+  loss, grads = loss_and_grad(params, jnp.asarray(inputs), jnp.asarray(targets))
   return float(loss), mtjax.to_hf_names(cfg, grads)
+
+
+def forward(cfg, params, ids):
+  """`mtjax.forward`'s logits, jitted (one compile)."""
+  return np.asarray(jax.jit(lambda p, i: mtjax.forward(cfg, p, i))(params, jnp.asarray(ids)))
 
 
 def check_logits_and_gradients(directory: Path, aux_coef: float = 0.0, B: int = 2, T: int = 12):
@@ -97,7 +141,7 @@ def check_logits_and_gradients(directory: Path, aux_coef: float = 0.0, B: int = 
   ids = token_ids(cfg.vocab_size, B, T + 1)
   inputs, targets = ids[:, :-1], ids[:, 1:]
   want = torch_reference(directory, inputs, targets, aux_coef)
-  got = np.asarray(mtjax.forward(cfg, params, inputs))
+  got = forward(cfg, params, inputs)
   assert 0.05 < np.abs(want.logits).mean() < 20  # logits of a scale where the bounds mean fp32
   assert_close(got, want.logits, name="logits")
   assert np.max(np.abs(got - want.logits)) <= 1e-4
@@ -155,7 +199,8 @@ def check_adamw_step(directory: Path, aux_coef: float = 0.0, lr: float = 1e-2,
     assert_close(stats.aux["aux_loss"], aux_coef * float(out.aux_loss), name="auxiliary loss")
   loss.backward()
   opt.step()
-  want = {k: v.detach().numpy() for k, v in m.named_parameters()}
+  want = as_checkpoint(m)  # the stepped model under checkpoint names
+  assert set(got) == set(want), set(got) ^ set(want)
   for name in want:
     # Adam's per-coordinate step is up to lr whatever the gradient: 1e-3 lr per element allowed
     # (see tests/numerics.py, atol).
@@ -175,7 +220,7 @@ def check_export(cfg, params, tmp: Path, dtype: str = "float32", source: Path | 
   ids = token_ids(cfg.vocab_size, seed=3)
   with torch.no_grad():
     theirs = m(torch.from_numpy(ids).long()).logits.numpy()
-  assert_close(mtjax.forward(cfg, params, ids), theirs, name="logits of the reloaded export")
+  assert_close(forward(cfg, params, ids), theirs, name="logits of the reloaded export")
   back, _ = mtjax.load_hf(out)
   assert dataclasses.replace(back, from_hf=None) == dataclasses.replace(cfg, from_hf=None)
   return out
@@ -185,8 +230,8 @@ def feature_matters(cfg, params, T: int = 12, factor: float = 100.0, **change) -
   """How far the logits move when the config is changed (a feature turned off), relative L2; it
   must exceed `factor` times the parity bound for the parity tests to have tested the feature."""
   ids = token_ids(cfg.vocab_size, T=T)
-  base = np.asarray(mtjax.forward(cfg, params, ids))
-  other = np.asarray(mtjax.forward(dataclasses.replace(cfg, **change), params, ids))
+  base = forward(cfg, params, ids)
+  other = forward(dataclasses.replace(cfg, **change), params, ids)
   moved = errors(other, base)[0]
   from numerics import REL_L2  # noqa: PLC0415
   assert moved > factor * REL_L2, (change, moved)
