@@ -18,11 +18,11 @@ import parity  # noqa: E402
 from mtjax import hf, models  # noqa: E402
 from mtjax.config import ModelConfig  # noqa: E402
 from mtjax.models import mla, moe  # noqa: E402
-from numerics import REL_L2, errors  # noqa: E402
+from numerics import REL_L2, assert_close, errors  # noqa: E402
 
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
             mscale=0.707, mscale_all_dim=1.0, beta_fast=32, beta_slow=1)
-# 8 experts top-2 in 4 groups of which 2 are kept; rms_norm_eps off the latent norms' fixed 1e-6.
+# 8 experts top-2 in 4 groups (V3 keeps 2); rms_norm_eps off the latent norms' fixed 1e-6.
 SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
              num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4,
              num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
@@ -112,14 +112,38 @@ def test_equals_transformers(saved, tmp_path, torch_names, family):
   parity.pieces_cover_every_parameter(cfg)
   parity.check_export(cfg, params, tmp_path / "out")
   if family == "deepseek_v3":  # the engine runs V2's layers through the same code
-    # Adam's first step is lr * g / (|g| + eps), whose rounding error reaches lr * dg / (4 eps)
-    # for a gradient's rounding dg (1e-7 of its tensor's largest, up to a few 1e-6 here): at
-    # eps = 1e-8, elements of |g| near 1e-8 (there are some among 200k) step by rounding alone,
-    # beyond the harness's 1e-3 lr. At 1e-2 the step is a smooth function of the gradient, on
-    # both sides alike.
+    # Adam's first step is lr * g / (|g| + eps): a gradient's fp32 rounding dg (about 1e-7 of its
+    # tensor's largest, up to a few 1e-6 here) moves it by up to lr * dg / (4 eps). At eps = 1e-8
+    # the elements with |g| near 1e-8, which tensors of this size hold, step by their rounding
+    # (0.13 lr seen), beyond the harness's 1e-3 lr; at 1e-2 (on both sides) the step is a smooth
+    # function of the gradient.
     parity.check_adamw_step(src, **{"optim.eps": 1e-2})
     for name, value in bias.items():  # AdamW (no decay on vectors) leaves it as imported
       np.testing.assert_array_equal(torch_names[-1][name], value)
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_router_equals_transformers(saved, family):
+  """moe.route against transformers' router module on many tokens; V3's correction bias mostly
+  below minus the scores, so that the choice among the kept groups is between negative values."""
+  cfg = ModelConfig(**hf.model_fields(json.loads((saved[family] / "config.json").read_text())))
+  v3 = family == "deepseek_v3"
+  modeling = transformers.models.deepseek_v3.modeling_deepseek_v3 if v3 else \
+      transformers.models.deepseek_v2.modeling_deepseek_v2
+  gate = (modeling.DeepseekV3TopkRouter if v3 else modeling.DeepseekV2TopkRouter)(CONFIGS[family]())
+  torch.manual_seed(1)
+  with torch.no_grad():
+    gate.weight.normal_(0.0, 0.2)
+    if v3:
+      gate.e_score_correction_bias.copy_(-0.8 + 0.3 * torch.randn(cfg.moe.experts))
+    logits, weights, experts = gate(torch.randn(512, cfg.hidden))
+  bias = jnp.asarray(gate.e_score_correction_bias.numpy()) if v3 else None
+  got_w, got_e = moe.route(cfg, jnp.asarray(logits.numpy()), bias)
+  mine, theirs = np.argsort(got_e, axis=-1), np.argsort(experts.numpy(), axis=-1)
+  np.testing.assert_array_equal(np.take_along_axis(np.asarray(got_e), mine, -1),
+                                np.take_along_axis(experts.numpy(), theirs, -1))
+  assert_close(np.take_along_axis(np.asarray(got_w), mine, -1),
+               np.take_along_axis(weights.numpy(), theirs, -1), name="router weights")
 
 
 def chosen_experts(cfg, params, ids):
