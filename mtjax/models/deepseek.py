@@ -14,7 +14,7 @@ not change):
 
 The correction bias is a buffer in transformers, not a trained weight: mtjax imports and exports
 it as the `e_bias` parameter, which choosing through top-k gives no gradient, so AdamW (no decay on
-vectors) leaves it unchanged. Checkpoints keep each expert's SwiGLU as its own Linear weights
+vectors) leaves it unchanged (DeepSeek's own update of it by expert load is not done). Checkpoints keep each expert's SwiGLU as its own Linear weights
 (`mlp.experts.<e>.gate_proj/up_proj/down_proj`), one piece per expert of the stacked parameters.
 transformers adds no auxiliary loss for either model; `moe.aux_loss_coef` is 0.
 """
@@ -112,8 +112,8 @@ def _read(version: int):
       r.refuse("mlp_bias", "mtjax's DeepSeek MLPs have no biases")
     fields = dict(r.shape(), **r.rope(), mlp_act=act)
     if fields["kv_heads"] != fields["heads"]:
-      r.refuse("num_key_value_heads", f"latent attention expands keys and values for each of "
-                f"the num_attention_heads={fields['heads']} heads")
+      r.refuse("num_key_value_heads", "latent attention expands keys and values for each of "
+               f"the num_attention_heads={fields['heads']} heads")
     rope = fields["rope_scaling"]
     if rope not in ("none", "yarn"):
       r.refuse("rope_parameters" if config.get("rope_parameters") else "rope_scaling",
@@ -192,12 +192,14 @@ def _ignored_v3(name: str) -> bool:
 
 
 NOTES = {
-    2: ("DeepSeek-V2, V2-Lite (latent attention with or without q_lora_rank, softmax router "
-        "greedy or group_limited_greedy, shared experts, YaRN mscale); no attention or MLP "
-        "biases, no auxiliary loss (as transformers)"),
-    3: ("DeepSeek-V3 and its architecture (sigmoid router with the score correction bias, imported "
-        "as a parameter AdamW leaves unchanged; group-limited top-k; shared experts; YaRN mscale); "
-        "the multi-token-prediction layer is not loaded, as transformers"),
+    2: ("DeepSeek-V2, V2-Lite: latent attention (low-rank or full query projection), softmax router "
+        "greedy or group_limited_greedy (never renormalised, as transformers), shared experts, "
+        "YaRN with mscale/mscale_all_dim; no attention or MLP biases, no auxiliary loss (as "
+        "transformers)"),
+    3: ("DeepSeek-V3 and its architecture in bf16/fp32 (no FP8): sigmoid router, group-limited by "
+        "each group's best two, with the score correction bias (a parameter that stays as "
+        "imported: no gradient, no load-based update), shared experts, YaRN mscale; the "
+        "multi-token-prediction layer model.layers.61 is skipped, as transformers"),
 }
 register(Family("deepseek_v2", ("DeepseekV2ForCausalLM",), _read(2), _write(2), pieces,
                 notes=NOTES[2]))
