@@ -50,7 +50,8 @@ def route(cfg: ModelConfig, logits_NxE: jax.Array, e_bias_E: jax.Array | None = 
       group_score = grouped.max(-1)
     _, best = jax.lax.top_k(group_score, m.topk_groups)
     keep = jnp.zeros(group_score.shape, bool).at[jnp.arange(best.shape[0])[:, None], best].set(True)
-    choice = jnp.where(jnp.repeat(keep, E // m.groups, axis=-1), choice, 0.0)
+    # -inf, not 0: a sigmoid score plus a negative correction bias may be below 0.
+    choice = jnp.where(jnp.repeat(keep, E // m.groups, axis=-1), choice, -jnp.inf)
   _, idx = jax.lax.top_k(choice, k)
   weights = jnp.take_along_axis(scores, idx, axis=-1)
   if m.norm_topk_prob:
