@@ -61,34 +61,15 @@ def saved(tmp_path_factory):
   return out
 
 
-def as_torch_parameters(tensors: dict) -> dict:
-  """Checkpoint-named tensors as transformers 5's parameters: it fuses a layer's per-expert
-  weights into experts.gate_up_proj [E, 2F, D] and experts.down_proj [E, D, F] when it loads, and
-  the score correction bias is a buffer, not a parameter."""
-  out, experts = {}, {}
-  for name, a in tensors.items():
-    m = EXPERT.fullmatch(name)
-    if m:
-      experts.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = a
-    elif not name.endswith("e_score_correction_bias"):
-      out[name] = a
-  for prefix, w in experts.items():
-    E = len(w["down"])
-    out[f"{prefix}.gate_up_proj"] = np.stack(
-        [np.concatenate([w["gate"][e], w["up"][e]]) for e in range(E)])
-    out[f"{prefix}.down_proj"] = np.stack([w["down"][e] for e in range(E)])
-  return out
-
-
 @pytest.fixture
 def torch_names(monkeypatch):
-  """The harness compares mtjax's tensors by transformers' parameter names; returns the list of
-  every checkpoint-named dict mtjax.to_hf_names gave (gradients, then the stepped weights)."""
+  """Every checkpoint-named dict mtjax.to_hf_names gives during a test (the gradients, then the
+  stepped weights), recorded as they pass to the harness."""
   seen, original = [], mtjax.to_hf_names
 
   def to_hf_names(cfg, tree):
     seen.append(original(cfg, tree))
-    return as_torch_parameters(seen[-1])
+    return seen[-1]
 
   monkeypatch.setattr(mtjax, "to_hf_names", to_hf_names)
   return seen
@@ -117,7 +98,7 @@ def test_equals_transformers(saved, tmp_path, torch_names, family):
     # the elements with |g| near 1e-8, which tensors of this size hold, step by their rounding
     # (0.13 lr seen), beyond the harness's 1e-3 lr; at 1e-2 (on both sides) the step is a smooth
     # function of the gradient.
-    parity.check_adamw_step(src, **{"optim.eps": 1e-2})
+    parity.check_adamw_step(src, eps=1e-2)
     for name, value in bias.items():  # AdamW (no decay on vectors) leaves it as imported
       np.testing.assert_array_equal(torch_names[-1][name], value)
 

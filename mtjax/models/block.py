@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from mtjax.config import ModelConfig
-from mtjax.models import moe
+from mtjax.models import mla, moe
 from mtjax.models.layers import MLP, Attention, BlockKind, Ctx, RMSNorm
 
 
@@ -36,7 +36,6 @@ class Block(nn.Module):
     if cfg.norm_position != "pre":
       self.post_attn_norm, self.post_mlp_norm = norm(), norm()
     if cfg.mla is not None:
-      from mtjax.models import mla  # noqa: PLC0415 - DeepSeek's attention, loaded when used
       self.attn = mla.LatentAttention(cfg, self.kind.layer_type, self.implementation)
     else:
       self.attn = Attention(cfg, self.kind.layer_type, self.implementation)

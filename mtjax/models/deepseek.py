@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from mtjax.config import MLAConfig, ModelConfig, MoEConfig
 from mtjax.layout import Layout
-from mtjax.models import Family, FamilyError, Piece, block_index, register
+from mtjax.models.registry import Family, FamilyError, Piece, block_index, register
 from mtjax.models.common import Reader, base_config, expert_pieces, standard_pieces
 
 # transformers' defaults for keys a config.json may leave out (DeepseekV2Config, DeepseekV3Config).
