@@ -404,6 +404,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         errors.append(str(e))
     raise ConfigError(errors[0])
   if dataclasses.is_dataclass(tp):
+    if isinstance(value, tp):  # built already (a model family's config.json reader)
+      return value
     if not isinstance(value, dict):
       raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__}")
     return _build(tp, value, key + ".")
