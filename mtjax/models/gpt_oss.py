@@ -66,7 +66,8 @@ def _read(config: dict, where: str) -> dict:
       qkv_bias=bias, o_bias=bias, attention_sinks=True,
       # The experts apply their own clamped SwiGLU whatever hidden_act says (transformers too).
       mlp_act="swiglu_clamped", mlp_bias=True,
-      swiglu_limit=float(r.positive("swiglu_limit")), swiglu_alpha=float(r.positive("swiglu_alpha")),
+      swiglu_limit=float(r.positive("swiglu_limit")),
+      swiglu_alpha=float(r.positive("swiglu_alpha")),
       moe=MoEConfig(experts=int(experts), experts_per_token=int(k), expert_ffn=fields["ffn"],
                     router="topk_softmax", router_bias=True, aux_loss_coef=float(coef)))
   return fields
@@ -86,14 +87,16 @@ def _write(cfg: ModelConfig, dtype: str) -> dict:
   return out
 
 
-_ROUTER = {("mlp", "router", "kernel"): "mlp.router.weight", ("mlp", "router", "bias"): "mlp.router.bias"}
+_ROUTER = {("mlp", "router", "kernel"): "mlp.router.weight",
+           ("mlp", "router", "bias"): "mlp.router.bias"}
 _ALL, _EVEN, _ODD = slice(None), slice(0, None, 2), slice(1, None, 2)
 # mtjax expert parameter -> (transformers tensor, the index of its share): gate and up are the
 # even and odd columns of gate_up_proj, as GptOssExperts splits them.
 _EXPERTS = {
     "gate": ("gate_up_proj", (_ALL, _ALL, _EVEN)), "up": ("gate_up_proj", (_ALL, _ALL, _ODD)),
     "down": ("down_proj", ()),
-    "gate_bias": ("gate_up_proj_bias", (_ALL, _EVEN)), "up_bias": ("gate_up_proj_bias", (_ALL, _ODD)),
+    "gate_bias": ("gate_up_proj_bias", (_ALL, _EVEN)),
+    "up_bias": ("gate_up_proj_bias", (_ALL, _ODD)),
     "down_bias": ("down_proj_bias", ()),
 }
 
@@ -103,9 +106,10 @@ def _pieces(cfg: ModelConfig, group: str, layout: Layout) -> list[Piece]:
   if i is None:
     return standard_pieces(cfg, group, layout)
   experts = lambda path: path[:2] == ("mlp", "experts")
-  out = [p for p in standard_pieces(cfg, group, layout,
-                                    lambda path: _ROUTER.get(path) or ("-" if experts(path) else None))
-         if not experts(p.path)]
+  # standard_pieces names attention, norms and the router; the experts' pieces are made here
+  # (a placeholder name keeps it from refusing them).
+  named = lambda path: _ROUTER.get(path) or ("-" if experts(path) else None)
+  out = [p for p in standard_pieces(cfg, group, layout, named) if not experts(p.path)]
   for path, shape in zip(layout.paths, layout.shapes):
     if experts(path):
       name, src = _EXPERTS[path[2]]
