@@ -121,6 +121,8 @@ def test_older_keys_and_omitted_defaults_read_as_transformers_reads_them(saved):
   rope = {k: v for k, v in new["rope_parameters"].items() if k != "rope_theta"}
   old.update(rope_scaling=rope, rope_theta=new["rope_parameters"]["rope_theta"])
   assert hf.model_fields(old) == hf.model_fields(new)
+  theirs = [transformers.GptOssConfig.from_dict(c) for c in (old, new)]
+  assert theirs[0].rope_parameters == theirs[1].rope_parameters  # the same model for them too
   # A config.json that names only the sizes: transformers' GptOssConfig fills the rest.
   sizes = dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=96,
                hidden_size=128, intermediate_size=64, num_hidden_layers=3, num_attention_heads=16,
