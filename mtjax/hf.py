@@ -390,6 +390,9 @@ def _export_config(cfg: ModelConfig, dtype: str, source_dir) -> dict:
       raise HFError(f"{src}: unreadable ({type(e).__name__})") from None
     keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]
     config.update({k: dtype for k in keys})
+    # The tensors are written dequantized (MXFP4 experts decoded on import): a quantization
+    # config kept from the source would make a loader expect packed blocks.
+    config.pop("quantization_config", None)
     where = str(src)
   fields = model_fields(config, where)
   for key, value in fields.items():

@@ -20,7 +20,7 @@ import numpy as np
 from mtjax import hf, models
 from mtjax.config import ModelConfig, MoEConfig
 from mtjax.layout import Layout
-from mtjax.models import Family, FamilyError, Piece, block_index, register
+from mtjax.models.registry import Family, FamilyError, Piece, block_index, register
 from mtjax.models.common import Reader, base_config, layer_type_names, standard_pieces
 
 # transformers' GptOssConfig defaults for keys a config.json may leave out.
