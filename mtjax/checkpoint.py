@@ -50,7 +50,14 @@ def model_difference(saved: dict | None, model: dict) -> str | None:
   for key in sorted(saved):  # the checkpoint's keys: a field added since keeps its default meaning
     if key in _NOT_ARCHITECTURE or saved.get(key) == model.get(key):
       continue
-    return f"model.{key}: {saved.get(key)!r} in the checkpoint, {model.get(key)!r} in this run"
+    mine, theirs = saved.get(key), model.get(key)
+    if isinstance(mine, dict) and isinstance(theirs, dict):  # a section (moe): knobs may differ
+      for sub in sorted(mine):
+        if sub not in config_lib.TRAINING_KNOBS and mine.get(sub) != theirs.get(sub):
+          return (f"model.{key}.{sub}: {mine.get(sub)!r} in the checkpoint, {theirs.get(sub)!r} "
+                  f"in this run")
+      continue
+    return f"model.{key}: {mine!r} in the checkpoint, {theirs!r} in this run"
   return None
 
 

@@ -4,11 +4,12 @@ Face model's config.json, the model family checked), and a bad config as a one-l
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 from mtjax import config, hf, models
-from mtjax.config import Config, ConfigError
+from mtjax.config import TRAINING_KNOBS, Config, ConfigError
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
@@ -34,11 +35,22 @@ def with_hf_model(raw: dict) -> dict:
     fields = hf.Checkpoint(directory).model_fields()
   except (hf.HFError, OSError) as e:
     raise ConfigError(f"model.from_hf: {e}") from None
+  merged = {**fields, **model, "from_hf": str(directory)}
   for k, v in fields.items():
-    if k in model and model[k] != _plain(v):
+    if k not in model:
+      continue
+    if dataclasses.is_dataclass(v) and isinstance(model[k], dict):  # a section: key by key
+      section = dataclasses.asdict(v)
+      for sub, mine in model[k].items():
+        if sub in section and sub not in TRAINING_KNOBS and section[sub] != _plain(mine):
+          raise ConfigError(f"model.{k}.{sub}: {mine!r} differs from {directory}/config.json "
+                            f"({section[sub]!r}); leave it out")
+      merged[k] = {**section, **model[k]}
+    elif model[k] != _plain(v):
       raise ConfigError(f"model.{k}: {model[k]!r} differs from {directory}/config.json ({v!r}); "
                         "leave it out")
-  return {**raw, "model": {**fields, **model, "from_hf": str(directory)}}
+  return {**raw, "model": merged}
+
 
 
 def _plain(v):

@@ -84,6 +84,10 @@ class MLAConfig:
       raise ConfigError(f"model.mla.qk_rope_dim: {self.qk_rope_dim} must be even for RoPE")
 
 
+# Model keys that say how a mixture trains, not what the model computes: a run may set them on an
+# imported model, and a checkpoint resumes under other values.
+TRAINING_KNOBS = ("aux_loss_coef", "z_loss_coef", "capacity_factor")
+
 LayerType = Literal["full", "sliding"]
 
 
