@@ -171,7 +171,7 @@ def test_mxfp4_unpacking_equals_transformers_bit_for_bit():
   scales[0, :32] = np.arange(256, dtype=np.uint8).reshape(32, 8)  # every exponent, 255 included
   want = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
                                     dtype=torch.float32).numpy()
-  got = gpt_oss.mxfp4_to_float32(blocks, scales)
+  got = hf.mxfp4_to_float32(blocks, scales)
   assert got.shape == want.shape == (3, 256, 40) and got.dtype == np.float32
   np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))  # inf, -0 included
 
@@ -182,11 +182,11 @@ def pack_mxfp4(w_ExXxR: np.ndarray):
   E, X, R = w_ExXxR.shape
   g = np.swapaxes(w_ExXxR, 1, 2).reshape(E, R, X // 32, 32)
   exp = np.ceil(np.log2(np.abs(g).max(-1) / 6.0)).astype(np.int32)  # the block's max fits in +-6
-  codes = np.abs((g / np.exp2(exp)[..., None])[..., None] - gpt_oss.FP4_VALUES).argmin(-1)
+  codes = np.abs((g / np.exp2(exp)[..., None])[..., None] - hf.FP4_VALUES).argmin(-1)
   codes = codes.astype(np.uint8)
   blocks = np.ascontiguousarray(codes[..., 0::2] | (codes[..., 1::2] << 4))
   scales = np.ascontiguousarray(exp + 127).astype(np.uint8)
-  values = gpt_oss.FP4_VALUES[codes] * np.exp2(exp)[..., None].astype(np.float32)
+  values = hf.FP4_VALUES[codes] * np.exp2(exp)[..., None].astype(np.float32)
   return blocks, scales, np.swapaxes(values.reshape(E, R, X), 1, 2)
 
 
@@ -214,8 +214,8 @@ def test_mxfp4_checkpoint_imports_its_dequantized_weights(mxfp4, saved, monkeypa
   d, dequantized = mxfp4
   monkeypatch.setattr(hf, "CHUNK", 2048)  # one expert's weights at a time
   decoded = []
-  decode = gpt_oss.mxfp4_to_float32
-  monkeypatch.setattr(gpt_oss, "mxfp4_to_float32",
+  decode = hf.mxfp4_to_float32
+  monkeypatch.setattr(hf, "mxfp4_to_float32",
                       lambda b, s: decoded.append(len(b)) or decode(b, s))
   cfg, params = mtjax.load_hf(d)
   assert decoded and max(decoded) == 1  # decoded a slab at a time, never a layer's experts at once

@@ -13,11 +13,9 @@ fp32), as any mtjax export.
 
 from __future__ import annotations
 
-import weakref
 
 import numpy as np
 
-from mtjax import hf, models
 from mtjax.config import ModelConfig, MoEConfig
 from mtjax.layout import Layout
 from mtjax.models.registry import Family, FamilyError, Piece, block_index, register
@@ -119,98 +117,6 @@ def _pieces(cfg: ModelConfig, group: str, layout: Layout) -> list[Piece]:
   return out
 
 
-# ----------------------------------------------------------------------------------- MXFP4
-
-# The fp4 e2m1 values of a nibble (an e8m0 byte e scales them by 2 ** (e - 127)).
-FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                       -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
-
-
-def mxfp4_to_float32(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-  """MXFP4 blocks [E, R, G, 16] (uint8, low nibble first) and scales [E, R, G] (uint8 e8m0) as the
-  fp32 tensor [E, G * 32, R] transformers' `convert_moe_packed_tensors` gives."""
-  blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
-  values = np.stack([FP4_VALUES[blocks & 0x0F], FP4_VALUES[blocks >> 4]], axis=-1)
-  # x * 2 ** e exactly, rounded once to fp32 (e = 128 overflows to inf but for 0 and 0.5), as
-  # torch.ldexp gives.
-  with np.errstate(over="ignore"):
-    values = np.ldexp(values.reshape(*scales.shape, 32), (scales.astype(np.int32) - 127)[..., None])
-  return np.swapaxes(values.reshape(*scales.shape[:-1], -1), 1, 2)
-
-
-class _Lazy:
-  """A dequantized tensor decoded only when read as an array: a slice of its first axis and then
-  one index of the others narrow it first, so an import decodes one slab of experts at a time
-  (hf's copy reads a few million elements per slab) instead of a whole layer's in fp32."""
-
-  def __init__(self, blocks, scales, rows: range | None = None, tail: tuple = ()):
-    self.blocks, self.scales, self.tail = blocks, scales, tail
-    self.rows = range(blocks.shape[0]) if rows is None else rows
-    E, R, G, _ = blocks.shape
-    full = np.broadcast_to(np.float32(0), (len(self.rows), G * 32, R))
-    self.shape = full[(_ALL, *tail)].shape
-    self.ndim = len(self.shape)
-    self.dtype = np.dtype(np.float32)
-
-  def __getitem__(self, index):
-    index = index if isinstance(index, tuple) else (index,)
-    first, rest = index[0], index[1:]
-    if isinstance(first, slice) and first.step in (None, 1) and not (rest and self.tail):
-      return _Lazy(self.blocks, self.scales, self.rows[first], rest or self.tail)
-    return np.asarray(self)[index]  # any other index: decoded whole, then indexed
-
-  def __array__(self, dtype=None, copy=None):
-    r = slice(self.rows.start, self.rows.stop)
-    out = mxfp4_to_float32(self.blocks[r], self.scales[r])[(_ALL, *self.tail)]
-    return out if dtype is None else out.astype(dtype)
-
-
-class MXFP4(hf.Decoder):
-  """A tensor `X` stored as MXFP4 `X_blocks` and `X_scales` (GPT-OSS's experts), checked against
-  the shape the model needs and decoded on import."""
-
-  def __init__(self):
-    self._shapes = weakref.WeakKeyDictionary()  # checkpoint -> the tensors' shapes its model needs
-
-  def _expected(self, ck: hf.Checkpoint) -> dict:
-    if ck not in self._shapes:
-      spec = models.spec(ModelConfig(**ck.model_fields()))
-      self._shapes[ck] = {p.name: p.shape for g, _ in spec.groups
-                          for p in spec.family.pieces(spec.cfg, g, spec.group_layout(g))}
-    return self._shapes[ck]
-
-  def sources(self, ck: hf.Checkpoint, name: str) -> list[str] | None:
-    bn, sn = f"{name}_blocks", f"{name}_scales"
-    b, s = ck.entries.get(bn), ck.entries.get(sn)
-    if b is None and s is None:
-      return None
-    if b is None or s is None:
-      have, lacks = (bn, sn) if s is None else (sn, bn)
-      raise hf.HFError(f"{ck.dir}: tensor {have} without {lacks} (MXFP4 needs both)")
-    quant = ck.config.get("quantization_config")
-    if not isinstance(quant, dict) or quant.get("quant_method") != "mxfp4":
-      raise hf.HFError(f"{b.file}: tensor {bn} is MXFP4 but config.json has no quantization_config "
-                       f"with quant_method 'mxfp4'")
-    for n, e, ndim in ((bn, b, 4), (sn, s, 3)):
-      if e.dtype != "U8" or len(e.shape) != ndim:
-        raise hf.HFError(f"{e.file}: tensor {n} is {e.dtype} {list(e.shape)}, expected uint8 of "
-                         f"{ndim} dimensions (MXFP4)")
-      if e.nbytes != int(np.prod(e.shape)) or e.start + e.nbytes > e.file.stat().st_size:
-        raise hf.HFError(f"{e.file}: tensor {n} does not fit its shape or the file (truncated?)")
-    if b.shape[-1] != 16 or b.shape[:-1] != s.shape:
-      raise hf.HFError(f"{b.file}: tensor {bn} {list(b.shape)} does not pair with {sn} "
-                       f"{list(s.shape)} (expected [..., 16] blocks over its scales)")
-    E, R, G, _ = b.shape
-    want = self._expected(ck).get(name)
-    if want is not None and (E, G * 32, R) != want:
-      raise hf.HFError(f"{b.file}: tensor {bn} decodes to {[E, G * 32, R]}, expected {list(want)}")
-    return [bn, sn]
-
-  def decode(self, ck: hf.Checkpoint, name: str) -> _Lazy:
-    return _Lazy(ck.raw(f"{name}_blocks"), ck.raw(f"{name}_scales"))
-
-
-hf.DECODERS.append(MXFP4())
 
 register(Family(
     "gpt_oss", ("GptOssForCausalLM",), _read, _write, _pieces,
