@@ -24,12 +24,15 @@ _EXPERT_W = {"gate": "w1", "up": "w3", "down": "w2"}
 
 
 def routed(r: Reader, experts_keys: tuple[str, ...], default: int, width: int, **moe) -> MoEConfig:
-  """The routed experts' MoEConfig from config.json's expert count (the first of `experts_keys`
-  present, as transformers' attribute_map aliases them; else `default`), top-k and aux
-  coefficient."""
+  """The routed experts' MoEConfig from config.json's expert count, top-k and aux coefficient.
+
+  transformers' attribute_map makes two keys one: of those present, the alias (set after the
+  dataclass field) wins. `experts_keys` lists them so, the config class's own field last; neither
+  present: `default`.
+  """
   experts_key = next((key for key in experts_keys if r.c.get(key) is not None), None)
   E = default if experts_key is None else r.positive(experts_key)
-  experts_key = experts_key or experts_keys[0]
+  experts_key = experts_key or experts_keys[-1]
   k = r.positive("num_experts_per_tok")
   if not isinstance(E, int) or not isinstance(k, int) or k > E:
     raise FamilyError(f"{r.where}: num_experts_per_tok={k} must be an integer <= "
@@ -69,7 +72,7 @@ def _read(config: dict, where: str) -> dict:
     r.refuse("router_jitter_noise", "mtjax's router takes no noise; 0.0 trains as transformers")
   fields = dict(r.shape(), **r.rope(), mlp_act=act)
   # Every layer is a mixture: intermediate_size is the experts' width (the dense ffn is unused).
-  fields["moe"] = routed(r, ("num_local_experts", "num_experts"), 8, fields["ffn"],
+  fields["moe"] = routed(r, ("num_experts", "num_local_experts"), 8, fields["ffn"],
                          norm_topk_prob=True)
   window = r.positive("sliding_window", required=False)
   if window is not None:  # Mistral's window, in every layer

@@ -24,7 +24,9 @@ _DEFAULTS = {
     "qwen3_moe": dict(_COMMON, num_experts_per_tok=8, moe_intermediate_size=768,
                       attention_bias=False),
 }
-_EXPERTS = {"qwen2_moe": (("num_experts",), 60), "qwen3_moe": (("num_local_experts", "num_experts"), 128)}
+# The expert count's keys (see mixtral.routed: the alias first) and transformers' default.
+_EXPERTS = {"qwen2_moe": (("num_experts",), 60),
+            "qwen3_moe": (("num_local_experts", "num_experts"), 128)}
 
 
 def _sparse_layers(r: Reader, layers: int) -> dict:
