@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from mtjax.config import ModelConfig, MoEConfig
 from mtjax.layout import Layout
-from mtjax.models import Family, FamilyError, Piece, block_index, register
+from mtjax.models.registry import Family, FamilyError, Piece, block_index, register
 from mtjax.models.common import Reader, base_config, expert_pieces, standard_pieces
 
 # Values transformers assumes when config.json omits a key (save_pretrained drops some defaults).

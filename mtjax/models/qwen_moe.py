@@ -10,7 +10,7 @@ training loss, as transformers does with output_router_logits.
 from __future__ import annotations
 
 from mtjax.config import ModelConfig
-from mtjax.models import Family, FamilyError, register
+from mtjax.models.registry import Family, FamilyError, register
 from mtjax.models.common import Reader, base_config, layer_type_names
 from mtjax.models.mixtral import moe_pieces, routed
 
