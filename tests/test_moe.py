@@ -97,7 +97,9 @@ def reference_route(m: MoEConfig, logits, e_bias=None):
     best = topk(group_score, m.topk_groups)[1]
     mask = np.zeros_like(group_score, bool)
     np.put_along_axis(mask, best, True, -1)
-    choice = np.where(np.repeat(mask, m.experts // m.groups, -1), choice, 0.0)
+    # outside the kept groups: V3 -inf (a score plus a negative bias may be below 0), V2 0
+    fill = -np.inf if m.router == "sigmoid" else 0.0
+    choice = np.where(np.repeat(mask, m.experts // m.groups, -1), choice, fill)
   idx = topk(choice, k)[1]
   w = np.take_along_axis(scores, idx, -1)
   if m.norm_topk_prob:
