@@ -5,7 +5,8 @@ Routing is dropless by default: every token reaches its k experts whatever the l
 run as a grouped matmul: the (token, choice) pairs sorted by expert, each expert's rows multiplied
 by its own weights (`jax.lax.ragged_dot`), never a dense loop of every expert over every token.
 With `moe.capacity_factor` an expert takes at most that factor times its even share of the pairs;
-the rest are dropped (weight 0) and counted.
+the rest are dropped (weight 0) and counted. The share is of the pairs of one call: one micro-batch's
+sequence tile (`engine.micro_batch`, `engine.seq_tile`), earlier tokens first.
 
 Every MoE block returns, beside its output, sums over its (valid) tokens that the model's
 auxiliary loss needs: the router probabilities and the tokens each expert got (the

@@ -61,7 +61,8 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {}
-_MODULES = ("llama", "gemma", "phi3", "olmo2", "deepseek", "gpt_oss")  # the family modules (each registers its own)
+_MODULES = ("llama", "gemma", "phi3", "olmo2", "deepseek", "gpt_oss", "mixtral",
+            "qwen_moe")  # the family modules (each registers its own)
 
 
 def register(family: Family) -> Family:
