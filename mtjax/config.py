@@ -261,7 +261,7 @@ class EngineConfig:
   device_memory_gb: float | None = None  # device memory the run may use (as on a smaller card); None: 92% of the device
   devices: int | Literal["all"] = "all"  # local devices the step runs on (data-parallel over a Mesh; train.batch splits evenly over them)
   seq_tile: int | None = 16384  # longer sequences run each block's norms, projections and MLP this many tokens at a time (recomputed per tile in the backward); None: the whole sequence at once
-  moe_impl: Literal["auto", "ragged", "dense"] = "auto"  # how a mixture of experts multiplies: ragged (tokens sorted by expert, jax.lax.ragged_dot), dense (every expert on every token, weighted: a reference for tests); auto: ragged
+  moe_impl: Literal["auto", "ragged", "mosaic", "dense"] = "auto"  # how a mixture of experts multiplies: ragged (tokens sorted by expert, jax.lax.ragged_dot), mosaic (jax's Mosaic-GPU grouped kernels, Hopper GPUs, bf16), dense (every expert on every token, weighted: a reference for tests); auto: mosaic where it applies, else ragged
 
   def __post_init__(self):
     _positive(self, "loss_chunk", "inflight_layers")

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtjax import models
+from mtjax.models import grouped
 from mtjax.config import Config, ModelConfig
 from mtjax.data import Batch
 from mtjax.models.layers import Ctx, token_nll
@@ -199,9 +200,20 @@ def attention_impl(choice: str, device: jax.Device, compute_dtype: str, cfg: Mod
   return "blockwise" if seq >= BLOCKWISE_FROM_SEQ else "xla"
 
 
-def moe_impl(choice: str, device: jax.Device) -> str:
-  """`auto`: tokens sorted by expert through jax.lax.ragged_dot."""
-  return "ragged" if choice == "auto" else choice
+def moe_impl(choice: str, device: jax.Device, cfg: ModelConfig | None = None,
+             compute_dtype: str = "bfloat16") -> str:
+  """`auto`: on a Hopper GPU in bf16, the Mosaic-GPU grouped matmul where its tiles divide the
+  experts' widths (XLA lowers jax.lax.ragged_dot on the GPU by expanding the rows E times: 0.036 of
+  a dense matmul measured at the GPT-OSS-20B shape, benchmarks/results/moe-kernels/); elsewhere
+  jax.lax.ragged_dot."""
+  if choice != "auto":
+    return choice
+  m = None if cfg is None else cfg.moe
+  if (m is not None and device.platform == "gpu" and "9." in str(getattr(device, "compute_capability", ""))
+      and grouped.supported(cfg.hidden, m.expert_ffn, jnp.bfloat16 if compute_dtype == "bfloat16"
+                            else jnp.float32)):
+    return "mosaic"
+  return "ragged"
 
 
 @dataclasses.dataclass
@@ -363,7 +375,7 @@ class Engine:
     self.attention = attention_impl(e.attention, self.device, e.compute_dtype, cfg.model,
                                     cfg.train.seq)
     self.spec = store.spec
-    self.moe_impl = moe_impl(e.moe_impl, self.device)
+    self.moe_impl = moe_impl(e.moe_impl, self.device, cfg.model, e.compute_dtype)
     fns = layer_fns(self.spec, DTYPES[e.compute_dtype], e.micro_batch, e.loss_chunk,
                     self.attention, len(store.devices), e.seq_tile, moe_impl=self.moe_impl)
     self.fns = fns

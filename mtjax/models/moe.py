@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from mtjax.config import ModelConfig
+from mtjax.models import grouped
 from mtjax.models.layers import MLP, activate, dense
 
 
@@ -70,6 +71,8 @@ def grouped_matmul(x_MxD: jax.Array, w_ExDxF: jax.Array, group_sizes_E: jax.Arra
     all_MxExF = jnp.einsum("md,edf->mef", x_MxD, w_ExDxF)
     pick = jax.nn.one_hot(group_M, w_ExDxF.shape[0], dtype=all_MxExF.dtype)  # past the end: 0
     return jnp.einsum("mef,me->mf", all_MxExF, pick)
+  if impl == "mosaic":  # Hopper GPUs: jax's Mosaic-GPU kernels, forward and both gradients
+    return grouped.grouped_matmul(x_MxD, w_ExDxF, group_sizes_E)
   return jax.lax.ragged_dot(x_MxD, w_ExDxF, group_sizes_E.astype(jnp.int32))
 
 

@@ -158,7 +158,7 @@ def compiled_memory(cfg: config_lib.Config, device=None, devices: int = 1
   fns = engine_lib.layer_fns(
       spec, cd, e.micro_batch, e.loss_chunk,
       engine_lib.attention_impl(e.attention, device, e.compute_dtype, m, t.seq), 1, e.seq_tile,
-      strided=devices > 1, moe_impl=engine_lib.moe_impl(e.moe_impl, device))
+      strided=devices > 1, moe_impl=engine_lib.moe_impl(e.moe_impl, device, m, e.compute_dtype))
   sh = jax.sharding.SingleDeviceSharding(device)
   S = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
   B, T, D = max(1, t.batch // devices), t.seq, m.hidden
