@@ -6,6 +6,7 @@
 #   sanity        the 3.37B shape, the default placement, 6 steps (python -m mtjax.train)
 #   qwen3-moe     a Qwen3-MoE of Qwen3-30B-A3B width, 4 layers, default placement
 #   placement     default configs: 3.37B and 8B at 8 x 2048
+#   families      default configs: DeepSeek-V2-Lite, Gemma 2 9B, the Qwen2.5-14B shape
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=$(realpath "${OUT:-benchmarks/results}")
@@ -34,6 +35,10 @@ table() {
     placement)
       run "$dir" 3b_b8 110 --config configs/llama_3b.yaml train.steps=6
       run "$dir" 8b_b8 170 --config configs/llama3_8b.yaml train.batch=8 train.seq=2048 train.steps=5 ;;
+    families)
+      run "$dir" deepseek_v2_lite 190 --config configs/deepseek_v2_lite.yaml train.steps=5
+      run "$dir" gemma2_9b 170 --config configs/gemma2_9b.yaml train.steps=5
+      run "$dir" qwen14b 200 --config configs/qwen2.5_14b.yaml train.steps=5 ;;
     sanity)
       timeout 240 python3 -m mtjax.train --config configs/llama_3b.yaml --no-progress --show-plan \
         --json "$dir/summary.json" train.steps=6 2>&1 | quiet | tee "$dir/log" | tail -14 ;;
