@@ -9,6 +9,7 @@ pinned host<->device bandwidth, host AdamW rate), then each system on the same s
   roofline      max(FLOPs / matmul rate, PCIe bytes / bandwidth, params / host AdamW rate)
 
 prints a table and writes the records (a JSON list) to --out; --timeline draws one traced step.
+`--smoke` runs every system on configs/tiny.yaml (one layer) on the CPU in seconds.
 """
 
 from __future__ import annotations
@@ -380,7 +381,16 @@ def draw_timeline(path, lane_map, t0, t1, title):
 
 # ---- main -----------------------------------------------------------------------------------
 
+SMOKE = ["--config", str(Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"),
+         "--warmup", "1", "--steps", "1", "--variant", "dev:engine.device_update_layers=auto"]
+
+
 def main(argv=None):
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if "--smoke" in argv:  # tiny shapes on the CPU; later arguments override these
+    jax.config.update("jax_platforms", "cpu")
+    argv.remove("--smoke")
+    argv = SMOKE + argv + ["model.layers=1"]
   p = argparse.ArgumentParser(prog="python benchmarks/bench.py", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--systems", default="mtjax,mtjax-serial,jax-all-gpu,roofline")
@@ -388,6 +398,8 @@ def main(argv=None):
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--out", help="append records to this JSON list")
   p.add_argument("--timeline", help="PNG of one traced mtjax step (variants: PNG stem + _NAME)")
+  p.add_argument("--smoke", action="store_true",
+                 help="every system on configs/tiny.yaml, one layer, on the CPU, in seconds")
   p.add_argument("--no-idle", action="store_true",
                  help="skip the GPU-idle column (it times the layers again with every weight "
                       "resident: one more model's weights in device memory)")
@@ -425,8 +437,8 @@ def main(argv=None):
         f"batch {cfg.train.batch} x seq {cfg.train.seq}, attention {attention}, {dev}", flush=True)
 
   small = dev.platform == "cpu"  # the ceilings at GPU sizes would take minutes on a CPU
-  mm = matmul_tflops(dev, n=1024 if small else 8192)
-  h2d, d2h = link_gbps(dev, nbytes=64 * 2**20 if small else 2 * GiB)
+  mm = matmul_tflops(dev, n=512 if small else 8192)
+  h2d, d2h = link_gbps(dev, nbytes=16 * 2**20 if small else 2 * GiB)
   block_size = max(models.spec(cfg.model).counts[k] for k in models.spec(cfg.model).kinds)
   opt_rate = host_adamw_gparams(cfg.optim, max(block_size, 2**20))
   print(f"ceilings: bf16 matmul {mm:.0f} TFLOP/s, H2D {h2d:.1f} GB/s, D2H {d2h:.1f} GB/s, "

@@ -1,8 +1,9 @@
-"""DeepSpeed ZeRO-3 CPU-offload baseline on an mtjax config's shape, for the bench table (issue 3).
+"""How fast is DeepSpeed ZeRO-3 with CPU offload on an mtjax config's shape? The bench table's
+baseline.
 
 The same Llama shape through transformers' `LlamaForCausalLM`: fp32 parameters and AdamW state
 offloaded to (pinned) host memory, bf16 compute, activation checkpointing on, DeepSpeed's CPU Adam.
-Appends one record in `mtjax.bench`'s format (system `deepspeed-zero3-offload`) to --out.
+Appends one record in benchmarks/bench.py's format (system `deepspeed-zero3-offload`) to --out.
 
 Needs torch, transformers and deepspeed (an optional extra, never a dependency of mtjax). DeepSpeed
 ships a source archive only: build a pure-Python wheel once with `bash benchmarks/deepspeed_wheels.sh`
@@ -14,6 +15,9 @@ ships a source archive only: build a pure-Python wheel once with `bash benchmark
 
 --optimizer torch swaps DeepSpeed's compiled CPU Adam for torch's fused CPU AdamW (same ZeRO-3
 offload otherwise), for an image where the CPU Adam extension cannot be built.
+
+--smoke builds configs/tiny.yaml's shape in transformers on the CPU and takes two plain torch AdamW
+steps without DeepSpeed (which needs a GPU): the shape translation and the record, in seconds.
 """
 
 from __future__ import annotations
@@ -29,7 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
-from mtjax import cli, config as config_lib, data, plan
+if __package__ in (None, ""):  # run as a script: the repository root holds mtjax
+  sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mtjax import cli, config as config_lib, data, plan  # noqa: E402
 
 
 def ds_config(cfg: config_lib.Config) -> dict:
@@ -70,7 +77,15 @@ def main(argv=None) -> int:
   p.add_argument("--out", help="append the record to this JSON list")
   p.add_argument("--optimizer", choices=("ds", "torch"), default="ds",
                  help="ds: DeepSpeedCPUAdam (compiled at first use); torch: torch.optim.AdamW(fused)")
+  p.add_argument("--smoke", action="store_true",
+                 help="tiny shape, CPU, torch AdamW without DeepSpeed, in seconds")
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if "--smoke" in argv:
+    argv = ["--config", str(Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"),
+            "--warmup", "1", "--steps", "1", *argv, "engine.compute_dtype=float32"]
   args, cfg = cli.parse_cli(p, argv)
+  if args.smoke:
+    return smoke(args, cfg)
   for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"),
                ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
     os.environ.setdefault(k, v)
@@ -105,44 +120,88 @@ def main(argv=None) -> int:
   if n_params != expected:
     print(f"warning: transformers' model has {n_params:,} parameters, mtjax's shape {expected:,}")
 
-  times, loss = [], float("nan")
-  for i in range(args.warmup + args.steps):
-    b = data.synthetic_batch(i, t.batch, t.seq, m.vocab_size, t.seed)
-    ids = torch.from_numpy(np.asarray(b.inputs, np.int64)).cuda()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
+  def step(ids):
     out = engine(input_ids=ids, labels=ids)  # transformers shifts the labels itself
     engine.backward(out.loss)
     engine.step()
-    loss = float(out.loss)
-    torch.cuda.synchronize()
+    return out.loss.detach()
+
+  record = timed(args, cfg, step, n_params, "cuda")
+  record.update(deepspeed_version=deepspeed.__version__,
+                optimizer=type(getattr(optimizer, "optimizer", optimizer)).__name__)
+  write(args, record)
+  return 0
+
+
+def smoke(args, cfg: config_lib.Config) -> int:
+  """The model and the record without DeepSpeed: plain torch AdamW on the CPU."""
+  import torch
+  from transformers import LlamaForCausalLM
+  torch.manual_seed(0)
+  model = LlamaForCausalLM(llama_config(cfg.model, cfg.train.seq))
+  n_params = sum(q.numel() for q in model.parameters())
+  expected = plan.param_counts(cfg.model)["total"]
+  if n_params != expected:
+    print(f"transformers' model has {n_params:,} parameters, mtjax's shape {expected:,}",
+          file=sys.stderr)
+    return 1
+  o = cfg.optim
+  opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.b1, o.b2), eps=o.eps,
+                          weight_decay=o.weight_decay)
+
+  def step(ids):
+    opt.zero_grad()
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    opt.step()
+    return out.loss.detach()
+
+  write(args, {**timed(args, cfg, step, n_params, "cpu"), "optimizer": "AdamW"})
+  return 0
+
+
+def timed(args, cfg: config_lib.Config, step, n_params: int, device: str) -> dict:
+  """Median step time over `args.steps` after `args.warmup`, as a bench record."""
+  import torch
+  m, t = cfg.model, cfg.train
+  sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+  times, loss = [], float("nan")
+  for i in range(args.warmup + args.steps):
+    b = data.synthetic_batch(i, t.batch, t.seq, m.vocab_size, t.seed)
+    ids = torch.from_numpy(np.asarray(b.inputs, np.int64)).to(device)
+    sync()
+    t0 = time.perf_counter()
+    loss = float(step(ids))
+    sync()
     if i >= args.warmup:
       times.append(time.perf_counter() - t0)
     print(f"step {i}: loss {loss:.4f}, {time.perf_counter() - t0:.3f} s", flush=True)
-
   step_s = statistics.median(times)
   tokens = t.batch * t.seq
   rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
   record = {
       "system": "deepspeed-zero3-offload", "params": n_params, "hidden": m.hidden,
       "layers": m.layers, "batch": t.batch, "seq": t.seq, "step_s": step_s,
       "tokens_per_s": tokens / step_s, "model_tflops": 6 * n_params * tokens / step_s / 1e12,
       "hw_tflops": None, "host_bytes_per_param": rss / n_params,  # peak RSS, not state alone
-      "device_peak_gib": torch.cuda.max_memory_allocated() / 2**30, "h2d_gbps": None,
-      "d2h_gbps": None, "host_opt_gparams_per_s": None, "gpu_idle_frac": None,
-      "roofline_s": None, "loss": loss, "jax_version": None, "torch_version": torch.__version__,
-      "deepspeed_version": deepspeed.__version__, "device_memory_gb": cfg.engine.device_memory_gb,
-      "optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
-  }
+      "device_peak_gib": peak, "h2d_gbps": None, "d2h_gbps": None,
+      "host_opt_gparams_per_s": None, "gpu_idle_frac": None, "roofline_s": None, "loss": loss,
+      "jax_version": None, "torch_version": torch.__version__,
+      "device_memory_gb": cfg.engine.device_memory_gb}
   print(f"deepspeed-zero3-offload: {step_s:.3f} s/step, {tokens / step_s:,.0f} tokens/s, "
         f"{record['model_tflops']:.1f} model TFLOP/s, peak RSS {rss / 2**30:.1f} GiB "
-        f"({record['host_bytes_per_param']:.1f} B/param), "
-        f"device peak {record['device_peak_gib']:.1f} GiB")
+        f"({record['host_bytes_per_param']:.1f} B/param)"
+        + ("" if peak is None else f", device peak {peak:.1f} GiB"))
+  return record
+
+
+def write(args, record: dict) -> None:
   if args.out:
     path = Path(args.out)
     old = json.loads(path.read_text()) if path.exists() else []
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(old + [record], indent=1))
-  return 0
 
 
 if __name__ == "__main__":

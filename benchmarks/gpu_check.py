@@ -1,100 +1,164 @@
-"""One device call's first minute: the engine's correctness on the GPU in every placement, and the
-host update rates of the fused AdamW and the general optax path.
+"""Is the engine right on this device, and how fast are the host updates? One device call's first
+minute:
 
-PYTHONUNBUFFERED=1 python benchmarks/gpu_check.py
+  1. streamed gradients and three clipped AdamW steps against the whole-model reference
+     (tests/reference.py) + optax, fp32 with true fp32 matmuls, in every placement mix;
+  2. gradients with each attention kernel (cuDNN's fused one on a GPU, XLA's, mtjax's blockwise)
+     in bf16 against the fp32 reference;
+  3. the host update rates of the fused AdamW and the general optax path on XLA:CPU.
+
+    PYTHONUNBUFFERED=1 python benchmarks/gpu_check.py [--smoke]
+
+`--smoke` runs one placement mix, one kernel and a 1M-parameter update on the CPU, in seconds.
 """
-import os
+
+from __future__ import annotations
+
+import argparse
 import sys
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
 
 from mtjax import config, data, engine, plan, store  # noqa: E402
 from mtjax.layout import Layout  # noqa: E402
 
-base = config.from_dict({
-    "model": dict(vocab_size=128, hidden=64, layers=3, heads=4, kv_heads=2, ffn=96,
-                  qkv_bias=True),
+BASE = {
+    "model": dict(vocab_size=128, hidden=64, layers=3, heads=4, kv_heads=2, ffn=96, qkv_bias=True),
     "engine": dict(compute_dtype="float32", loss_chunk=96, micro_batch=2,
-                   matmul_precision="highest", device_state_layers=0,
-                   device_update_layers=0),
+                   matmul_precision="highest", device_state_layers=0, device_update_layers=0),
     "optim": dict(lr=1e-2, warmup_steps=1, clip_norm=0.5),
-    "train": dict(batch=4, seq=32, steps=3)})
-plan.prepare(base)
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-import reference as ref  # noqa: E402
-from mtjax.optimizer import HostOptimizer, UpdateRule, schedule  # noqa: E402
-
-dev = jax.devices()[0]
-print("jax", jax.__version__, dev, [m.kind for m in dev.addressable_memories()], flush=True)
+    "train": dict(batch=4, seq=32, steps=3)}
 
 
-def rel(a, b):
+def with_engine(**engine_keys) -> config.Config:
+  return config.from_dict({**BASE, "engine": {**BASE["engine"], **engine_keys}})
+
+
+def rel(a, b) -> float:
+  import numpy as np  # noqa: PLC0415
   return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / max(np.linalg.norm(b), 1e-30))
 
 
-def flat(s, tree):
+def flat(s, tree) -> list:
   return ([s.embed.layout.flatten(tree["embed"])]
           + [g.layout.flatten(t) for g, t in zip(s.blocks, tree["blocks"])]
           + [s.head.layout.flatten(tree["head"])])
 
 
-# 1. streamed gradients and three clipped AdamW steps against the whole-model reference + optax,
-#    in fp32 with true fp32 matmuls, for every tier mix.
-for tiers in ((0, 0), (0, 5), (5, 0), (2, 2)):
-  cfg = config.from_dict({**config.to_dict(base), "engine": {
-      **config.to_dict(base)["engine"], "device_state_layers": tiers[0],
-      "device_update_layers": tiers[1]}})
-  s = store.create(cfg, jax.random.key(1))
-  eng = engine.Engine(cfg, s)
-  b = data.synthetic_batch(3, 4, 32, 128, 0)
-  params = s.to_tree()
-  loss, gs = eng.grads(b)
-  with jax.default_matmul_precision("highest"):
-    vg = jax.jit(jax.value_and_grad(ref.loss_fn), static_argnums=3)
-    rl, rg = vg(params, b.inputs, b.targets, cfg.model)
-    o = cfg.optim
-    tx = optax.chain(optax.clip_by_global_norm(o.clip_norm), optax.adamw(
-        schedule(o, cfg.decay_steps), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
-        mask=ref.decay_mask))
-    st_ = tx.init(params)
-    for i in range(3):
-      bi = data.synthetic_batch(i, 4, 32, 128, 0)
-      eng.step(bi)
-      _, gi = vg(params, bi.inputs, bi.targets, cfg.model)
-      up, st_ = tx.update(gi, st_, params)
-      params = optax.apply_updates(params, up)
-  eng.sync()
-  gerr = max(rel(a, r) for a, r in zip(gs, flat(s, rg)))
-  werr = max(rel(a, r) for a, r in zip(flat(s, s.to_tree()), flat(s, params)))
-  print(f"tiers device={tiers[0]} stream={tiers[1]}: loss {loss:.6f} ref {float(rl):.6f}, "
-        f"max rel grad err {gerr:.2e}, weights after 3 steps {werr:.2e}", flush=True)
-  eng.close()
+def placements(tiers_list, steps: int = 3) -> float:
+  """Worst relative error over the placement mixes (gradients and weights after `steps`)."""
+  import jax  # noqa: PLC0415
+  import optax  # noqa: PLC0415
 
-# 2. host update rates: the fused AdamW against the general optax path on XLA:CPU (64M params)
-n = 64 * 2**20
-lay = Layout.from_shapes({"w": jax.ShapeDtypeStruct((n // 1024, 1024), jnp.float32)})
-rng = np.random.default_rng(0)
-g = rng.standard_normal(n, dtype=np.float32)
-for name, impl in (("adamw", "fused"), ("adamw", "optax"), ("lion", "optax"), ("sgd", "optax")):
-  ocfg = config.OptimConfig(name=name, impl=impl)
-  rule = UpdateRule(ocfg, 100)
-  grp = store.Group("w", "block", lay, "host", rng.standard_normal(n, dtype=np.float32),
-                    rule.init_host(lay))
-  view = lambda attr, grp=grp: grp.w if attr == "w" else grp.opt[attr]
-  opt = HostOptimizer(ocfg, rule)
-  opt.update(grp, g, 0, 1.0, view)
-  ts = []
-  for i in range(3):
-    t = time.perf_counter()
-    opt.update(grp, g, i + 1, 1.0, view)
-    ts.append(time.perf_counter() - t)
-  print(f"host update {name} ({impl}): {n / min(ts) / 1e9:.2f} Gparam/s (64M params, best of 3)",
-        flush=True)
-  opt.close()
+  import reference as ref  # noqa: PLC0415
+  from mtjax.optimizer import schedule  # noqa: PLC0415
+  worst = 0.0
+  for tiers in tiers_list:
+    cfg = with_engine(device_state_layers=tiers[0], device_update_layers=tiers[1])
+    s = store.create(cfg, jax.random.key(1))
+    eng = engine.Engine(cfg, s)
+    b = data.synthetic_batch(3, 4, 32, 128, 0)
+    params = s.to_tree()
+    loss, gs = eng.grads(b)
+    with jax.default_matmul_precision("highest"):
+      vg = jax.jit(jax.value_and_grad(ref.loss_fn), static_argnums=3)
+      rl, rg = vg(params, b.inputs, b.targets, cfg.model)
+      o = cfg.optim
+      tx = optax.chain(optax.clip_by_global_norm(o.clip_norm), optax.adamw(
+          schedule(o, cfg.decay_steps), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+          mask=ref.decay_mask))
+      opt_state = tx.init(params)
+      for i in range(steps):
+        bi = data.synthetic_batch(i, 4, 32, 128, 0)
+        eng.step(bi)
+        _, gi = vg(params, bi.inputs, bi.targets, cfg.model)
+        up, opt_state = tx.update(gi, opt_state, params)
+        params = optax.apply_updates(params, up)
+    eng.sync()
+    gerr = max(rel(a, r) for a, r in zip(gs, flat(s, rg)))
+    werr = max(rel(a, r) for a, r in zip(flat(s, s.to_tree()), flat(s, params)))
+    print(f"tiers device={tiers[0]} stream={tiers[1]}: loss {loss:.6f} ref {float(rl):.6f}, "
+          f"max rel grad err {gerr:.2e}, weights after {steps} steps {werr:.2e}", flush=True)
+    eng.close()
+    worst = max(worst, gerr, werr)
+  return worst
+
+
+def attention_kernels(impls) -> None:
+  """bf16 gradients per attention kernel against the fp32 reference (bf16 rounding, ~1e-2)."""
+  import jax  # noqa: PLC0415
+
+  import reference as ref  # noqa: PLC0415
+  base = with_engine(compute_dtype="bfloat16", matmul_precision="default")
+  s = store.create(base, jax.random.key(0))
+  b = data.synthetic_batch(0, 4, 32, 128, 0)
+  with jax.default_matmul_precision("highest"):
+    rl, rg = jax.value_and_grad(ref.loss_fn)(s.to_tree(), b.inputs, b.targets, base.model)
+  want = flat(s, rg)
+  for impl in impls:
+    eng = engine.Engine(with_engine(compute_dtype="bfloat16", matmul_precision="default",
+                                    attention=impl), s)
+    loss, gs = eng.grads(b)
+    print(f"attention {impl}: loss {loss:.5f} (fp32 ref {float(rl):.5f}), max rel grad err "
+          f"{max(rel(g, w) for g, w in zip(gs, want)):.2e}", flush=True)
+    eng.close()
+
+
+def host_rates(n: int) -> None:
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+
+  from mtjax.optimizer import HostOptimizer, UpdateRule  # noqa: PLC0415
+  lay = Layout.from_shapes({"w": jax.ShapeDtypeStruct((n // 1024, 1024), jnp.float32)})
+  rng = np.random.default_rng(0)
+  g = rng.standard_normal(n, dtype=np.float32)
+  for name, impl in (("adamw", "fused"), ("adamw", "optax"), ("lion", "optax"), ("sgd", "optax")):
+    ocfg = config.OptimConfig(name=name, impl=impl)
+    rule = UpdateRule(ocfg, 100)
+    grp = store.Group("w", "block", lay, "host", rng.standard_normal(n, dtype=np.float32),
+                      rule.init_host(lay))
+    view = lambda attr, grp=grp: grp.w if attr == "w" else grp.opt[attr]
+    opt = HostOptimizer(ocfg, rule)
+    opt.update(grp, g, 0, 1.0, view)
+    ts = []
+    for i in range(3):
+      t = time.perf_counter()
+      opt.update(grp, g, i + 1, 1.0, view)
+      ts.append(time.perf_counter() - t)
+    print(f"host update {name} ({impl}): {n / min(ts) / 1e9:.2f} Gparam/s "
+          f"({n / 2**20:.0f}M params, best of 3)", flush=True)
+    opt.close()
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python benchmarks/gpu_check.py", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--smoke", action="store_true", help="a reduced check on the CPU, in seconds")
+  args = p.parse_args(argv)
+  plan.prepare(with_engine())  # before the backend starts: the pinned pool, the device share
+  import jax  # noqa: PLC0415
+  if args.smoke:
+    jax.config.update("jax_platforms", "cpu")
+  dev = jax.devices()[0]
+  print("jax", jax.__version__, dev, [m.kind for m in dev.addressable_memories()], flush=True)
+  if args.smoke:  # one mix of all three tiers, two steps; the kernel the CPU lacks elsewhere
+    worst = placements([(1, 2)], steps=2)  # step 0 has lr 0 (warm-up)
+    attention_kernels(["blockwise"])
+  else:
+    worst = placements([(0, 0), (0, 5), (5, 0), (2, 2)])
+    attention_kernels(["xla", "blockwise"] + (["cudnn"] if dev.platform == "gpu" else []))
+  host_rates(2**20 if args.smoke else 64 * 2**20)
+  if worst > 1e-5:
+    print(f"FAILED: the engine is {worst:.1e} from the reference (fp32 wants < 1e-5)",
+          file=sys.stderr)
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

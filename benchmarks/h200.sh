@@ -1,52 +1,130 @@
 #!/usr/bin/env bash
-# The GPU tables, one device call each: bash benchmarks/h200.sh TABLE [TABLE...]
-# Each table's rows and logs go under $OUT/TABLE/ and leave as one archive, $OUT/TABLE.tgz (the
-# device tool returns at most 8 files). Tables:
-#   moe-kernels   the grouped expert matmul against a dense chain (benchmarks/moe_kernels.py)
-#   sanity        the 3.37B shape, the default placement, 6 steps (python -m mtjax.train)
-#   qwen3-moe     a Qwen3-MoE of Qwen3-30B-A3B width, 4 layers, default placement
-#   placement     default configs: 3.37B and 8B at 8 x 2048
-#   families      default configs: DeepSeek-V2-Lite, Gemma 2 9B, the Qwen2.5-14B shape
+# The GPU tables, each sized for one device call of under 10 minutes:
+#   bash benchmarks/h200.sh [--dry-run] TABLE [TABLE...]
+# Each table's rows and logs go under $OUT/TABLE/ (default benchmarks/results/h200/) and leave as
+# one archive, $OUT/TABLE.tgz (a device call returns only a few files). --dry-run prints the
+# commands instead of running them. Tables (docs/performance.md and docs/long_context.md hold
+# their latest figures):
+#   gpu-check    the engine against the reference on the GPU in every placement; host update rates
+#   sanity       the 3.37B shape, the default placement, 6 steps (python -m mtjax.train)
+#   placement    default configs: 3.37B and 8B at 8 x 2048
+#   bench-b8     3.37B at 8 x 2048 side by side: mtjax (default, host AdamW, 24 GiB of device
+#                memory), the serial engine, all-on-GPU JAX, the roofline; then DeepSpeed ZeRO-3
+#                offload (carry .whl from benchmarks/deepspeed_wheels.sh)
+#   bench-b32    the same at batch 32 (no serial row)
+#   families     default configs: DeepSeek-V2-Lite, Gemma 2 9B, the Qwen2.5-14B shape
+#   largest      the largest shape the planner fits: the Qwen2.5-14B width with 50 layers
+#   qwen3-moe    a Qwen3-MoE of Qwen3-30B-A3B width, 4 layers, default placement
+#   moe-kernels  the grouped expert matmul against a dense chain (benchmarks/moe_kernels.py)
+#   finetune     a 1B Hugging Face Llama fine-tuned 200 steps, exported, checked (finetune.py)
+#   context      long context: 3.37B at 32k and 128k whole, 512k on a slice; 8B at 32k and 128k
+#                on slices; 1B at 512k on a slice
+#   context-8b   long context: the 8B shape at 256k whole, 512k and 1M on slices
+#   context-1m   one layer of the 8B shape at 1M tokens, two steps
 set -uo pipefail
+DRY=
+[ "${1:-}" = "--dry-run" ] && { DRY=1; shift; }
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-OUT=$(realpath "${OUT:-benchmarks/results}")
+OUT=$(realpath -m "${OUT:-benchmarks/results/h200}")
+TABLES="gpu-check sanity placement bench-b8 bench-b32 families largest qwen3-moe moe-kernels
+finetune context context-8b context-1m"
 quiet() { grep -v "bfc_allocator\|^W12\|^I12\|^E12"; }
 
-run() {  # run DIR NAME TIMEOUT ARGS...: python -m mtjax.train, its summary as DIR/NAME.json
+x() {  # x LOG TIMEOUT COMMAND...: runs COMMAND (output to LOG), or prints it under --dry-run
+  local log=$1 t=$2
+  shift 2
+  if [ -n "$DRY" ]; then printf "+"; printf " %q" "$@"; echo; return 0; fi
+  echo "-- $(date +%T) $*"
+  timeout "$t" "$@" 2>&1 | quiet > "$log"
+  tail -8 "$log"
+}
+
+train() {  # train DIR NAME TIMEOUT ARGS...: python -m mtjax.train, its summary as DIR/NAME.json
   local dir=$1 name=$2 t=$3
   shift 3
-  echo "-- $name: $*"
-  timeout "$t" python3 -m mtjax.train --no-progress --show-plan --json "$dir/$name.json" "$@" \
-    2>&1 | quiet > "$dir/$name.log"
-  grep -E "layer groups|predicted step [0-9]|runner-up|^model|^loss|^speed|^memory|refused|error" \
-    "$dir/$name.log" | head -12
+  x "$dir/$name.log" "$t" python3 -m mtjax.train --no-progress --show-plan --json "$dir/$name.json" "$@"
 }
+
+bench() {  # bench DIR BATCH TIMEOUT SYSTEMS STEPS: the 3.37B shape side by side, then DeepSpeed
+  local dir=$1 b=$2 t=$3 systems=$4 steps=$5
+  x "$dir/bench_b$b.log" "$t" python3 benchmarks/bench.py --config configs/llama_3b.yaml \
+    --warmup 1 --steps "$steps" --systems "$systems" --out "$dir/bench.json" \
+    --timeline "$dir/b$b.png" --variant "host:engine.device_state_layers=0 engine.device_update_layers=0" \
+    --variant "24gib:engine.device_memory_gb=24" train.batch="$b"
+  if ls .whl/deepspeed-*.whl >/dev/null 2>&1 || [ -n "$DRY" ]; then
+    [ -z "$DRY" ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site:$PWD x "$dir/deepspeed_b$b.log" 200 python3 benchmarks/deepspeed_baseline.py \
+      --config configs/llama_3b.yaml --warmup 2 --steps 3 --optimizer ds --out "$dir/bench.json" \
+      train.batch="$b"
+  fi
+}
+
+row() {  # row DIR ARGS...: one long-context row (benchmarks/long_context.py run)
+  local dir=$1
+  shift
+  x "$dir/rows.log" 600 python3 benchmarks/long_context.py run --out "$dir" "$@"
+}
+
+LONG="engine.activations=auto engine.activations_every=auto engine.micro_batch=null"
 
 table() {
   local name=$1 dir=$OUT/$1
-  mkdir -p "$dir"
+  [ -z "$DRY" ] && mkdir -p "$dir"
   echo "== $(date +%T) $name"
   case $name in
-    moe-kernels)
-      timeout 200 python3 benchmarks/moe_kernels.py --out "$dir" --shapes qwen3-30b-a3b,gpt-oss-20b \
-        2>&1 | quiet | tee "$dir/log" | tail -8 ;;
-    qwen3-moe)
-      run "$dir" qwen3_moe 130 --config configs/qwen3_moe_4l.yaml train.steps=6 ;;
-    placement)
-      run "$dir" 3b_b8 110 --config configs/llama_3b.yaml train.steps=6
-      run "$dir" 8b_b8 170 --config configs/llama3_8b.yaml train.batch=8 train.seq=2048 train.steps=5 ;;
-    families)
-      run "$dir" deepseek_v2_lite 190 --config configs/deepseek_v2_lite.yaml train.steps=5
-      run "$dir" gemma2_9b 170 --config configs/gemma2_9b.yaml train.steps=5
-      run "$dir" qwen14b 200 --config configs/qwen2.5_14b.yaml train.steps=5 ;;
+    gpu-check)
+      x "$dir/log" 150 python3 benchmarks/gpu_check.py ;;
     sanity)
-      timeout 240 python3 -m mtjax.train --config configs/llama_3b.yaml --no-progress --show-plan \
-        --json "$dir/summary.json" train.steps=6 2>&1 | quiet | tee "$dir/log" | tail -14 ;;
-    *) echo "unknown table $name" ;;
+      train "$dir" summary 240 --config configs/llama_3b.yaml train.steps=6 ;;
+    placement)
+      train "$dir" 3b_b8 110 --config configs/llama_3b.yaml train.steps=6
+      train "$dir" 8b_b8 170 --config configs/llama3_8b.yaml train.batch=8 train.seq=2048 train.steps=5 ;;
+    bench-b8)
+      bench "$dir" 8 330 mtjax,mtjax-serial,jax-all-gpu,roofline 3 ;;
+    bench-b32)
+      bench "$dir" 32 330 mtjax,jax-all-gpu,roofline 2 ;;
+    families)
+      train "$dir" deepseek_v2_lite 190 --config configs/deepseek_v2_lite.yaml train.steps=5
+      train "$dir" gemma2_9b 170 --config configs/gemma2_9b.yaml train.steps=5
+      train "$dir" qwen14b 200 --config configs/qwen2.5_14b.yaml train.steps=5 ;;
+    largest)
+      train "$dir" qwen14b_50_layers 300 --config configs/qwen2.5_14b.yaml model.layers=50 train.steps=4 ;;
+    qwen3-moe)
+      train "$dir" qwen3_moe 130 --config configs/qwen3_moe_4l.yaml train.steps=6 ;;
+    moe-kernels)
+      x "$dir/log" 200 python3 benchmarks/moe_kernels.py --out "$dir" --shapes qwen3-30b-a3b,gpt-oss-20b ;;
+    finetune)
+      x "$dir/log" 560 python3 benchmarks/finetune.py "$dir" --steps 200 ;;
+    context)
+      x "$dir/ceiling.log" 60 python3 benchmarks/long_context.py ceiling --out "$dir"
+      row "$dir" --name 3.37B --config configs/llama_3b.yaml --seq 32768 --timeout 60 $LONG
+      row "$dir" --name 3.37B --config configs/llama_3b.yaml --seq 131072 --timeout 150 $LONG
+      row "$dir" --name 3.37B --config configs/llama_3b.yaml --seq 524288 --layers 2 --timeout 110 --plan-timeout 50 $LONG
+      row "$dir" --name 8B --config configs/llama3_8b.yaml --seq 32768 --layers 2 --timeout 50 --plan-timeout 40
+      row "$dir" --name 8B --config configs/llama3_8b.yaml --seq 131072 --layers 2 --timeout 60 --plan-timeout 40
+      row "$dir" --name 1B --config configs/llama_1b.yaml --seq 524288 --layers 2 --timeout 80 --plan-timeout 40 $LONG ;;
+    context-8b)
+      x "$dir/ceiling.log" 60 python3 benchmarks/long_context.py ceiling --out "$dir"
+      row "$dir" --name 8B --config configs/llama3_8b.yaml --seq 262144 --steps 1 --timeout 320
+      row "$dir" --name 8B --config configs/llama3_8b.yaml --seq 524288 --layers 2 --timeout 130 --plan-timeout 50
+      row "$dir" --name 8B --config configs/llama3_8b.yaml --seq 1048576 --layers 1 --steps 1 --timeout 110 --plan-timeout 50 ;;
+    context-1m)
+      x "$dir/ceiling.log" 60 python3 benchmarks/long_context.py ceiling --out "$dir"
+      row "$dir" --name 8B --config configs/llama3_8b.yaml --seq 1048576 --layers 1 --steps 2 --timeout 420 --plan-timeout 60 ;;
+    *) echo "unknown table $name; tables: $TABLES" >&2; return 2 ;;
   esac
-  (cd "$OUT" && tar -czf "$name.tgz" "$name" && rm -rf "$name")
+  case $name in context*)
+    x "$dir/table.md" 60 python3 benchmarks/long_context.py table --out "$dir" --plot "$dir/context.png" ;;
+  esac
+  [ -z "$DRY" ] && (cd "$OUT" && tar -czf "$name.tgz" "$name" && rm -rf "$name")
+  return 0
 }
 
-nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
-python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
-for t in "$@"; do table "$t"; done
+[ $# -gt 0 ] || { echo "usage: bash benchmarks/h200.sh [--dry-run] TABLE...; tables: $TABLES" >&2; exit 2; }
+if [ -z "$DRY" ]; then
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
+  python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+fi
+rc=0
+for t in "$@"; do table "$t" || rc=2; done
+exit $rc

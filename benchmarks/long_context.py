@@ -1,4 +1,5 @@
-"""`python benchmarks/long_context.py run|ceiling|table ...`: the long-context table of the README.
+"""`python benchmarks/long_context.py run|ceiling|table ...`: how fast does training run at long
+context, and how much memory does it take? The table of docs/long_context.md.
 
   run      one row, in processes of its own: `python -m mtjax.train --json` at batch 1 and the
            given context length, and, when `--layers` runs a slice of the model, the planner's
@@ -9,6 +10,7 @@
   table    the rows in DIR as a markdown table; `--plot PNG` draws tokens/s against context length.
            A row whose files a device call did not return may be kept as the call printed it:
            `printed` says so, `printed_whole_model` holds its printed extrapolation.
+  --smoke [--out DIR]  one slice row of configs/tiny.yaml and its table, on the CPU, in seconds.
 
 Throughput counts attention: `model TF` is 6 x params x tokens per second, `+attn TF` adds the
 causal attention's matmuls (mtjax.plan.flops), `of ceiling` is the latter over the measured
@@ -20,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -214,7 +218,24 @@ def plot(rows: list[dict], path: Path) -> None:
   plt.close(fig)
 
 
+SMOKE_ROW = ["--name", "tiny", "--config", str(ROOT / "configs" / "tiny.yaml"), "--seq", "128",
+             "--layers", "1", "--steps", "2", "model.layers=3", "engine.activations=auto"]
+
+
+def smoke(argv: list[str]) -> int:
+  """One slice row of a tiny model and its table, on the CPU (the runs' processes inherit it)."""
+  p = argparse.ArgumentParser(prog="python benchmarks/long_context.py --smoke")
+  p.add_argument("--smoke", action="store_true")
+  p.add_argument("--out", help="folder for the row (default: a new temporary folder)")
+  out = p.parse_args(argv).out or tempfile.mkdtemp(prefix="long_context.")
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  return main(["run", "--out", out, *SMOKE_ROW]) or main(["table", "--out", out])
+
+
 def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if "--smoke" in argv:
+    return smoke(argv)
   p = argparse.ArgumentParser(prog="python benchmarks/long_context.py", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = p.add_subparsers(dest="mode", required=True)

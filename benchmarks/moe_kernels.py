@@ -116,6 +116,8 @@ def main(argv=None) -> int:
   p.add_argument("--ragged", action="store_true", help="also time XLA's ragged_dot on the GPU "
                  "(0.036 of dense at the GPT-OSS-20B shape: minutes per shape)")
   args = p.parse_args(argv)
+  if args.smoke:
+    jax.config.update("jax_platforms", "cpu")
   dev = jax.devices()[0]
   gpu = dev.platform == "gpu"
   shapes = SMOKE if args.smoke else SHAPES

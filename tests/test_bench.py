@@ -1,25 +1,47 @@
-"""The benchmark CLI on the CPU: every system runs and writes the record fields the issue asks for."""
+"""Every benchmark script's `--smoke` run on the CPU, in this process where the script allows (one
+jax start-up for all), so no script rots; and what the scripts compute from their measurements."""
 
 import json
+import math
+import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+ROOT = Path(__file__).parent.parent
+BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCH))
 import bench  # noqa: E402
 
-TINY = Path(__file__).parent.parent / "configs" / "tiny.yaml"
+TINY = ROOT / "configs" / "tiny.yaml"
 FIELDS = {"system", "params", "hidden", "layers", "batch", "seq", "step_s", "tokens_per_s",
           "model_tflops", "hw_tflops", "host_bytes_per_param", "device_peak_gib", "h2d_gbps",
           "d2h_gbps", "host_opt_gparams_per_s", "gpu_idle_frac", "roofline_s", "jax_version"}
+# Each script in benchmarks/ and the test that runs its smoke.
+SMOKES = {"bench.py": "test_bench_smoke_runs_every_system_and_records_the_fields",
+          "long_context.py": "test_long_context_smoke_extrapolates_a_slice_and_plans_the_whole_model",
+          "moe_kernels.py": "test_moe_kernels_smoke_checks_each_implementation_against_float32",
+          "deepspeed_baseline.py": "test_deepspeed_baseline_smoke_builds_the_same_shape",
+          "gpu_check.py": "test_gpu_check_smoke_holds_the_engine_to_the_reference",
+          "finetune.py": "test_finetune_smoke_exports_what_transformers_reads_back",
+          "h200.sh": "test_h200_dry_run_names_existing_scripts_and_configs",
+          "deepspeed_wheels.sh": None}  # builds wheels from the network: nothing to smoke
 
 
-def test_bench_runs_every_system_and_records_the_fields(tmp_path, capsys):
+def test_every_benchmark_script_has_a_smoke_test():
+  scripts = {p.name for p in BENCH.iterdir() if p.suffix in (".py", ".sh")}
+  assert scripts == set(SMOKES), f"add a smoke test for {scripts - set(SMOKES)}"
+  for name, test in SMOKES.items():
+    assert test is None or test in globals(), test
+    if name.endswith(".py"):
+      assert "--smoke" in (BENCH / name).read_text(), name
+
+
+def test_bench_smoke_runs_every_system_and_records_the_fields(tmp_path, capsys):
   out = tmp_path / "records.json"
-  rc = bench.main(["--config", str(TINY), "--warmup", "1", "--steps", "1", "--out", str(out),
-                   "--variant", "dev:engine.device_update_layers=auto", "model.layers=1"])
-  assert rc == 0
+  assert bench.main(["--smoke", "--out", str(out)]) == 0
   records = json.loads(out.read_text())
   systems = [r["system"] for r in records]
   assert systems == ["mtjax", "mtjax:dev", "mtjax-serial", "jax-all-gpu", "roofline"]
@@ -27,9 +49,9 @@ def test_bench_runs_every_system_and_records_the_fields(tmp_path, capsys):
     assert FIELDS <= set(r), FIELDS - set(r)
     assert r["host_bytes_per_param"] + r["device_state_bytes_per_param"] == 12.0
     assert 0 <= r["gpu_idle_frac"] < 1
+    assert r["layers"] == 1
     assert r["tokens_per_s"] * r["step_s"] == pytest.approx(8 * 64)  # tiny config: batch 8 x seq 64
   assert isinstance(records[1]["device_update_layers"], int)  # auto resolved by the planner
-  assert records[0]["host_bytes_per_param"] == 12.0  # tiny fits the host: nothing in device memory
   roof = records[-1]
   terms = [v for k, v in roof.items() if k.startswith("roofline_") and k != "roofline_s"]
   assert len(terms) == 4  # compute, both link directions, host optimizer
@@ -55,14 +77,12 @@ def test_tracer_survives_an_array_donated_before_it_is_watched():
   assert [e[1] for e in tracer.events] == [0, 1]
 
 
-def test_long_context_rows_extrapolate_a_slice_and_plan_the_whole_model(tmp_path, capsys):
-  """One slice row of the long-context table on the CPU: the training run, the whole model's
-  plan beside it, and the extrapolation."""
+def test_long_context_smoke_extrapolates_a_slice_and_plans_the_whole_model(tmp_path, capsys):
+  """The smoke's slice row: the training run, the whole model's plan beside it, the
+  extrapolation and the table."""
   import long_context  # noqa: PLC0415
   from mtjax import config, plan  # noqa: PLC0415
-  over = ["model.layers=3", "engine.activations=auto"]
-  assert long_context.main(["run", "--out", str(tmp_path), "--name", "tiny", "--config", str(TINY),
-                            "--seq", "128", "--layers", "1", "--steps", "2", *over]) == 0
+  assert long_context.main(["--smoke", "--out", str(tmp_path)]) == 0
   row = json.loads((tmp_path / "tiny_128_L1.json").read_text())
   assert row["train"]["seq"] == 128 and row["train"]["layers"] == 1 and row["full_layers"] == 3
   assert row["full_plan"]["fits"] and row["full_plan"]["params"] == plan.param_counts(
@@ -73,12 +93,10 @@ def test_long_context_rows_extrapolate_a_slice_and_plan_the_whole_model(tmp_path
   assert whole["step_s"] == pytest.approx(row["train"]["step_s_median"]
                                           * row["full_plan"]["schedule_s"]
                                           / row["train"]["plan_schedule_s"])
-  capsys.readouterr()
-  assert long_context.main(["table", "--out", str(tmp_path)]) == 0
   assert "| tiny | 128 | 1 of 3 |" in capsys.readouterr().out
 
 
-def test_long_context_table_says_why_a_slice_has_no_whole_model_step(tmp_path):
+def test_long_context_table_says_why_a_slice_has_no_whole_model_step():
   """A slice whose whole model the planner refused shows the refusal, not "(this row)", and
   `--ceiling` holds every row against one rate."""
   import long_context  # noqa: PLC0415
@@ -92,3 +110,60 @@ def test_long_context_table_says_why_a_slice_has_no_whole_model_step(tmp_path):
   own, one = (long_context.format_rows([row], None, c).splitlines()[-1] for c in (None, 600.0))
   assert "refused by the planner: does not fit in device memory: needs 257.7 GiB |" in own
   assert "(this row)" not in own and "| 60% |" in own and "| 50% |" in one
+
+
+def test_moe_kernels_smoke_checks_each_implementation_against_float32(tmp_path):
+  import moe_kernels  # noqa: PLC0415
+  assert moe_kernels.main(["--smoke", "--out", str(tmp_path)]) == 0
+  rows = json.loads((tmp_path / "moe_kernels.json").read_text())
+  assert {r["skew"] for r in rows} == {1, 8}
+  for r in rows:
+    assert r["dense"]["s"] > 0 and r["ragged"]["s"] > 0, r
+    assert max(r["ragged error"].values()) < 1e-2, r  # bf16 operands against float32
+
+
+def test_deepspeed_baseline_smoke_builds_the_same_shape(tmp_path):
+  """transformers' Llama built from the config has mtjax's parameter count (the smoke refuses
+  otherwise), and the record says what a step took."""
+  import deepspeed_baseline  # noqa: PLC0415
+  from mtjax import config, plan  # noqa: PLC0415
+  out = tmp_path / "ds.json"
+  assert deepspeed_baseline.main(["--smoke", "--out", str(out)]) == 0
+  [rec] = json.loads(out.read_text())
+  assert rec["params"] == plan.param_counts(config.load(TINY).model)["total"]
+  assert rec["tokens_per_s"] * rec["step_s"] == pytest.approx(8 * 64)
+  assert math.isfinite(rec["loss"])
+
+
+@pytest.mark.soak
+def test_gpu_check_smoke_holds_the_engine_to_the_reference(capsys):
+  import gpu_check  # noqa: PLC0415
+  assert gpu_check.main(["--smoke"]) == 0  # 1 if any placement is 1e-5 from the reference
+  out = capsys.readouterr().out
+  assert "tiers device=1 stream=2" in out and "attention blockwise" in out
+  assert len(re.findall(r"host update \w+ \(\w+\): [0-9.]+ Gparam/s", out)) == 4
+
+
+@pytest.mark.soak
+def test_finetune_smoke_exports_what_transformers_reads_back(tmp_path):
+  import finetune  # noqa: PLC0415
+  assert finetune.main([str(tmp_path), "--smoke"]) == 0
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["logits_rel_err"] < 1e-5 and summary["argmax_agreement"] == 1.0
+  assert summary["finetune"]["params"] == summary["hf_params"]
+
+
+def test_h200_dry_run_names_existing_scripts_and_configs():
+  """Every table's commands, printed: each script and config they name exists; an unknown table
+  is refused."""
+  tables = re.search(r'TABLES="([^"]+)"', (BENCH / "h200.sh").read_text()).group(1).split()
+  r = subprocess.run(["bash", "benchmarks/h200.sh", "--dry-run", *tables], cwd=ROOT,
+                     capture_output=True, text=True, timeout=60)
+  assert r.returncode == 0, r.stderr
+  commands = [line for line in r.stdout.splitlines() if line.startswith("+ ")]
+  assert len(commands) >= len(tables)
+  paths = set(re.findall(r"(?:benchmarks/\w+\.py|configs/[\w.]+\.yaml)", r.stdout))
+  assert paths and all((ROOT / p).is_file() for p in paths), sorted(paths)
+  bad = subprocess.run(["bash", "benchmarks/h200.sh", "--dry-run", "no-such-table"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+  assert bad.returncode == 2 and "unknown table no-such-table" in bad.stderr
