@@ -7,6 +7,8 @@
 #   qwen3-moe     a Qwen3-MoE of Qwen3-30B-A3B width, 4 layers, default placement
 #   placement     default configs: 3.37B and 8B at 8 x 2048
 #   families      default configs: DeepSeek-V2-Lite, Gemma 2 9B, the Qwen2.5-14B shape
+#   defaults      default configs beside plain JAX: the Llama-3.2-1B shape at 8 x 1024 (bench.py,
+#                 mtjax and jax-all-gpu side by side), the Qwen2.5-14B shape at 8 x 2048, 8B at 1 x 32768
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=$(realpath "${OUT:-benchmarks/results}")
@@ -39,6 +41,12 @@ table() {
       run "$dir" deepseek_v2_lite 190 --config configs/deepseek_v2_lite.yaml train.steps=5
       run "$dir" gemma2_9b 170 --config configs/gemma2_9b.yaml train.steps=5
       run "$dir" qwen14b 200 --config configs/qwen2.5_14b.yaml train.steps=5 ;;
+    defaults)
+      echo "-- bench_1b"
+      timeout 170 python3 benchmarks/bench.py --config configs/llama3.2_1b.yaml --systems mtjax,jax-all-gpu \
+        --no-idle --steps 5 --out "$dir/bench_1b.json" 2>&1 | quiet | tee "$dir/bench_1b.log" | tail -6
+      run "$dir" qwen14b 190 --config configs/qwen2.5_14b.yaml train.steps=5
+      run "$dir" 8b_32k 170 --config configs/llama3_8b.yaml train.seq=32768 train.steps=4 ;;
     sanity)
       timeout 240 python3 -m mtjax.train --config configs/llama_3b.yaml --no-progress --show-plan \
         --json "$dir/summary.json" train.steps=6 2>&1 | quiet | tee "$dir/log" | tail -14 ;;
