@@ -441,12 +441,15 @@ def check(plan: Plan) -> None:
   """Raises PlanError (one line: the numbers and what to change) if the plan does not fit."""
   if not plan.fits_host:
     state = plan.host["master weights"] + plan.host["optimizer state"]
+    # fp32 AdamW moments (twice the weights' bytes): bfloat16 ones take half
+    halve = ("optim.state_dtype=bfloat16, "
+             if plan.host["optimizer state"] > 1.5 * plan.host["master weights"] else "")
     raise PlanError(
         f"does not fit in host memory: needs {plan.host_total / GiB:.1f} GiB "
         f"({state / GiB:.1f} GiB state of {plan.params / 1e9:.2f}B params + "
         f"{(plan.host_total - state) / GiB:.1f} GiB buffers, "
         f"{plan.device_state_layers} groups' state in device memory), limit "
-        f"{plan.host_limit / GiB:.1f} GiB; use a smaller model, fewer engine.activations on the host, "
+        f"{plan.host_limit / GiB:.1f} GiB; use {halve}a smaller model, fewer engine.activations on the host, "
         f"optim.clip_mode=recompute, more engine.device_state_layers or a lower engine.grad_queue")
   if not plan.fits_pool:
     raise PlanError(
