@@ -13,6 +13,8 @@
 #                offload (carry .whl from benchmarks/deepspeed_wheels.sh)
 #   bench-b32    the same at batch 32 (no serial row)
 #   families     default configs: DeepSeek-V2-Lite, Gemma 2 9B, the Qwen2.5-14B shape
+#   defaults     default configs beside plain JAX: the Llama-3.2-1B shape at 8 x 1024 (bench.py,
+#                mtjax and jax-all-gpu side by side), the Qwen2.5-14B shape at 8 x 2048, 8B at 1 x 32768
 #   largest      the largest shape the planner fits: the Qwen2.5-14B width with 50 layers
 #   qwen3-moe    a Qwen3-MoE of Qwen3-30B-A3B width, 4 layers, default placement
 #   moe-kernels  the grouped expert matmul against a dense chain (benchmarks/moe_kernels.py)
@@ -26,7 +28,7 @@ DRY=
 [ "${1:-}" = "--dry-run" ] && { DRY=1; shift; }
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=$(realpath -m "${OUT:-benchmarks/results/h200}")
-TABLES="gpu-check sanity placement bench-b8 bench-b32 families largest qwen3-moe moe-kernels
+TABLES="gpu-check sanity placement bench-b8 bench-b32 families defaults largest qwen3-moe moe-kernels
 finetune context context-8b context-1m"
 quiet() { grep -v "bfc_allocator\|^W12\|^I12\|^E12"; }
 
@@ -87,6 +89,11 @@ table() {
       train "$dir" deepseek_v2_lite 190 --config configs/deepseek_v2_lite.yaml train.steps=5
       train "$dir" gemma2_9b 170 --config configs/gemma2_9b.yaml train.steps=5
       train "$dir" qwen14b 200 --config configs/qwen2.5_14b.yaml train.steps=5 ;;
+    defaults)
+      x "$dir/bench_1b.log" 170 python3 benchmarks/bench.py --config configs/llama3.2_1b.yaml \
+        --systems mtjax,jax-all-gpu --no-idle --steps 5 --out "$dir/bench_1b.json"
+      train "$dir" qwen14b 190 --config configs/qwen2.5_14b.yaml train.steps=5
+      train "$dir" 8b_32k 170 --config configs/llama3_8b.yaml train.seq=32768 train.steps=4 ;;
     largest)
       train "$dir" qwen14b_50_layers 300 --config configs/qwen2.5_14b.yaml model.layers=50 train.steps=4 ;;
     qwen3-moe)

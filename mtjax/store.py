@@ -68,8 +68,8 @@ def writable_view(arr: jax.Array) -> np.ndarray:
   after the update has finished.
   """
   n = arr.size
-  buf = (ctypes.c_float * n).from_address(arr.unsafe_buffer_pointer())
-  view = np.frombuffer(buf, dtype=np.float32)
+  buf = (ctypes.c_char * (n * arr.dtype.itemsize)).from_address(arr.unsafe_buffer_pointer())
+  view = np.frombuffer(buf, dtype=arr.dtype)
   assert view.size == n
   return view
 

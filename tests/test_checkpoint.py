@@ -36,9 +36,10 @@ def new(over=(), seed=0):
   return cfg, store_lib.create(cfg, jax.random.key(seed))
 
 
-@pytest.mark.parametrize("placement", [(0, 2), (2, 1)])
+@pytest.mark.parametrize("placement", [(0, 2, "float32"), (2, 1, "float32"), (1, 1, "bfloat16")])
 def test_save_restore_round_trip_drops_stale_device_copies(tmp_path, placement):
-  over = [f"engine.device_state_layers={placement[0]}", f"engine.device_update_layers={placement[1]}"]
+  over = [f"engine.device_state_layers={placement[0]}", f"engine.device_update_layers={placement[1]}",
+          f"optim.state_dtype={placement[2]}"]
   cfg, st = new(over)
   eng = engine.Engine(cfg, st)
   eng.step(data.synthetic_batch(0, 8, 64, 256, 0))
@@ -50,6 +51,7 @@ def test_save_restore_round_trip_drops_stale_device_copies(tmp_path, placement):
   checkpoint.restore(st, path)
   chex.assert_trees_all_equal(st.to_tree(), saved)
   chex.assert_trees_all_equal(st.opt_trees(), saved_opt)
+  assert {a.dtype.name for a in jax.tree.leaves(st.opt_trees())} == {placement[2]}
   assert st.step == 1
   b = data.synthetic_batch(2, 8, 64, 256, 0)
   _, fresh = new(over, seed=5)  # another placement reads the same checkpoint

@@ -134,3 +134,47 @@ def test_device_update_equals_host_update(name):
   host.close()
   assert_close(w, grp.w, name="weights")
   assert_trees_close(opt, grp.opt, name="optimizer state")
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_bfloat16_moments_round_the_fp32_update(where):
+  """optim.state_dtype bfloat16: each step widens the stored moments, runs the fp32 AdamW formula
+  (written here in numpy), updates w with the unrounded moments and stores them rounded to nearest
+  even (ml_dtypes' cast). Checked step by step from the state the kernel left, so the reference
+  never drifts: weights to fp32 rounding; each moment's bits equal the cast's, or (where the fp32
+  value lies within an ulp of a rounding midpoint and fused multiply-adds moved it across) one
+  bfloat16 ulp off, for a few elements at most."""
+  cfg = config.OptimConfig(lr=0.05, warmup_steps=0, weight_decay=0.1, state_dtype="bfloat16")
+  rule = UpdateRule(cfg, 10)
+  rng = np.random.default_rng(7)
+  grp = make_group(400, 9, rng, rule)
+  assert grp.opt["m"].dtype == jnp.bfloat16 and rule.state_bytes(grp.layout) == 4 * grp.size
+  host = HostOptimizer(cfg, rule)
+  step = jax.jit(rule.device_update, static_argnums=(4,))
+  nd = grp.layout.n_decay
+  for i in range(3):
+    g = rng.standard_normal(grp.size).astype(np.float32)
+    w0, m0, v0 = (np.array(a, np.float32) for a in (grp.w, grp.opt["m"], grp.opt["v"]))
+    h = rule.scalars(i)
+    if where == "host":
+      host.update(grp, g, i, 0.5, view_of(grp))
+    else:
+      w, opt = step(jnp.asarray(w0), jax.device_put(grp.opt), g * np.float32(0.5), h, grp.layout)
+      grp.w, grp.opt = np.array(w), jax.tree.map(np.array, opt)
+    gs = g * np.float32(0.5)
+    m = h["b1"] * m0 + (1 - h["b1"]) * gs
+    v = h["b2"] * v0 + (1 - h["b2"]) * gs * gs
+    wd = np.where(np.arange(grp.size) < nd, h["wd"], np.float32(0))
+    w_ref = w0 - h["lr"] * ((m / h["bc1"]) / (np.sqrt(v / h["bc2"]) + h["eps"]) + wd * w0)
+    assert_close(grp.w, w_ref, name=f"weights, step {i}")
+    for name, want in (("m", m), ("v", v)):
+      got_bits = grp.opt[name].view(np.uint16).astype(np.int32)
+      want_bits = want.astype(jnp.bfloat16).view(np.uint16).astype(np.int32)
+      off = np.abs(got_bits - want_bits)
+      assert off.max() <= 1 and np.count_nonzero(off) <= 3, (name, i, np.count_nonzero(off))
+  host.close()
+
+
+def test_bfloat16_moments_need_the_fused_adamw():
+  with pytest.raises(config.ConfigError, match="optim.state_dtype: bfloat16 moments need"):
+    config.OptimConfig(name="lion", state_dtype="bfloat16")

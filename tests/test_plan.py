@@ -412,3 +412,20 @@ def test_allocator_rounding_is_counted_per_saved_input_on_the_gpu_only():
   cpu = plan.make(config.load(CONFIGS / "llama_1b.yaml", over), **limits,
                   rates=plan.Rates(accelerator=False))
   assert cpu.device["allocator rounding (measured)"] == 0
+
+
+def test_bfloat16_moments_let_the_gpt_oss_20b_shape_fit_the_h200_machine(capsys):
+  """20.9B params: fp32 weights and moments (12 B/param, 234 GiB) exceed the box's 126 GiB host
+  plus 129 GiB device with buffers; bfloat16 moments (8 B/param) fit, and the refusal says so."""
+  machine = plan.Machine.load(CONFIGS / "machines" / "h200.yaml")
+  fp32 = machine.plan(config.load(CONFIGS / "gpt_oss_20b.yaml", ["optim.state_dtype=float32"]))
+  bf16 = machine.plan(config.load(CONFIGS / "gpt_oss_20b.yaml"))
+  assert not fp32.fits_host and bf16.fits_host and bf16.fits_device
+  assert bf16.host["optimizer state"] == pytest.approx(bf16.host["master weights"])
+  with pytest.raises(plan.PlanError, match="optim.state_dtype=bfloat16"):
+    plan.check(fp32)
+  args = ["--config", str(CONFIGS / "gpt_oss_20b.yaml"), "--machine",
+          str(CONFIGS / "machines" / "h200.yaml"), "optim.state_dtype=float32"]
+  assert plan.main(args) == 1
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("refused: does not fit in host memory")

@@ -20,7 +20,7 @@ from mtjax.plan.memory import GiB
 from mtjax.plan.machine import Machine
 from mtjax.plan.probe import host_memory_limit, prepare, probe_device_memory
 from mtjax.plan.schedule import Rates
-from mtjax.plan.search import Plan, PlanError, make
+from mtjax.plan.search import Plan, PlanError, check, make
 
 
 def format_plan(plan: Plan) -> str:
@@ -85,6 +85,11 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps({"refused": str(e)}))
       return 1
   print(format_plan(plan))
+  if not (plan.fits_host and plan.fits_device):
+    try:
+      check(plan)
+    except PlanError as e:
+      print(f"refused: {e}", file=sys.stderr)
   if args.json:
     Path(args.json).write_text(json.dumps(plan_summary(plan), indent=1))
   return 0 if plan.fits_host and plan.fits_device else 1

@@ -75,7 +75,8 @@ class Layer:
 
 
 def simulate(layers: list[Layer], tiers, rates: Rates, inflight: int = 2, grad_queue: int = 4,
-             overlap: bool = True, steps: int = 4, clip: str | None = None) -> float:
+             overlap: bool = True, steps: int = 4, clip: str | None = None,
+             moment_bytes: int = 8) -> float:
   """Predicted step time of the engine's schedule: four in-order lanes (host->device copies, device
   compute, device->host copies, the host optimizer) and the engine's dependencies between them.
 
@@ -88,7 +89,8 @@ def simulate(layers: list[Layer], tiers, rates: Rates, inflight: int = 2, grad_q
   Without overlap every item runs alone. Exact clipping (`clip`, optim.clip_mode) changes the
   backward: `host_buffer` applies every update only once the backward has ended (the host
   optimizer cannot overlap it); `recompute` runs a norm-only backward before the applying one.
-  Steady state: the last step's length.
+  `moment_bytes`: a stream group's optimizer state per parameter (AdamW's m and v: 8, or 4 as
+  bfloat16). Steady state: the last step's length.
   """
   n = len(layers)
   if isinstance(tiers, int):
@@ -113,7 +115,7 @@ def simulate(layers: list[Layer], tiers, rates: Rates, inflight: int = 2, grad_q
     lay, tier = layers[g], tiers[g]
     if tier == "stream":  # m and v go back; the device's new weights stay for the next forward
       updated[g] = run("compute", ready, lay.params * DEVICE_UPDATE_BYTES / hbm_rate)
-      moments_back[g] = run("d2h", updated[g], 8 * lay.params / d2h_rate)
+      moments_back[g] = run("d2h", updated[g], moment_bytes * lay.params / d2h_rate)
     elif tier == "device":
       updated[g] = run("compute", ready, lay.params * DEVICE_UPDATE_BYTES / hbm_rate)
     else:
@@ -145,10 +147,10 @@ def simulate(layers: list[Layer], tiers, rates: Rates, inflight: int = 2, grad_q
         if g == n - 1:  # the head's gradient exists once its (forward) step ran
           computed = done[-1]
           if streamed:  # its moments, for the device update, once last step's are back
-            run("h2d", max(gate, moments_back[g]), 8 * lay.params / h2d_rate)
+            run("h2d", max(gate, moments_back[g]), moment_bytes * lay.params / h2d_rate)
         else:
           # weights (the embedding's backward needs none), or only the moments when streamed
-          nbytes = {"stream": 8 * lay.params * applying, "host": 4 * lay.params * (g > 0),
+          nbytes = {"stream": moment_bytes * lay.params * applying, "host": 4 * lay.params * (g > 0),
                     "device": 0}[tier] + lay.checkpoint_bytes
           ready = max(gate, moments_back[g]) if streamed else gate
           arrived = run("h2d", ready, nbytes / h2d_rate) if nbytes else ready

@@ -258,7 +258,8 @@ def _place(cfg, build, G, host_limit, device_limit, rates) -> Plan:
 
 
 def refuse_by_size(cfg: config_lib.Config, host_limit: int | None, device_limit: int | None):
-  """Raises PlanError when the state alone (weights and AdamW moments, 12 B/param) exceeds host
+  """Raises PlanError when the state alone (weights and AdamW moments, 12 B/param, 8 with bfloat16
+  moments) exceeds host
   and device memory together: byte arithmetic on the config, before anything is laid out or
   searched (an absurd size is refused at once)."""
   if host_limit is None:
@@ -272,12 +273,13 @@ def refuse_by_size(cfg: config_lib.Config, host_limit: int | None, device_limit:
     mlp = min(mlp, 3 * D * m.moe.expert_ffn * m.moe.experts)
   params = m.vocab_size * D * (1 if m.tie_embeddings else 2) + m.layers * (
       2 * D * m.heads * m.dim_per_head + mlp)
-  state = 12 * params
+  per_param = 4 + cfg.optim.moment_bytes
+  state = per_param * params
   total = host_limit + (device_limit or 0) * devices_of(cfg)
   if state > total:
     raise PlanError(f"does not fit in host memory and device memory together: the weights and "
                     f"optimizer state alone need at least {state / GiB:,.1f} GiB ({params / 1e9:,.2f}B "
-                    f"params x 12 B/param) where {total / GiB:,.1f} GiB are available; use a "
+                    f"params x {per_param} B/param) where {total / GiB:,.1f} GiB are available; use a "
                     f"smaller model")
 
 
@@ -296,7 +298,7 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
   P, L = pc["total"], m.layers
   kinds = [k for _, k in spec.groups]
   sizes = [pc[k] for k in kinds]
-  ob = [(opt_bytes or {}).get(k, 8 * pc[k]) for k in kinds]  # optimizer state bytes per group
+  ob = [(opt_bytes or {}).get(k, o.moment_bytes * pc[k]) for k in kinds]  # optimizer state bytes per group
   on = lambda tier: [i for i, tr in enumerate(tiers) if tr == tier]
   host_g, stream_g, dev_g = on("host"), on("stream"), on("device")
   act = 2 if e.compute_dtype == "bfloat16" else 4
@@ -419,10 +421,12 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
           and (device_limit is None or sum(device.values()) <= device_limit))
   if fits:  # the simulation costs O(layers); a plan that does not fit needs none
     clip = o.clip_mode if o.clip_norm else None
-    sched = simulate(layers, tiers, rates, e.inflight_layers, grad_queue, clip=clip)
+    sched = simulate(layers, tiers, rates, e.inflight_layers, grad_queue, clip=clip,
+                     moment_bytes=o.moment_bytes)
     best = dataclasses.replace(rates,
                                host_adamw_in_step_gparams=rates.host_adamw_in_step_best_gparams)
-    sched_best = (simulate(layers, tiers, best, e.inflight_layers, grad_queue, clip=clip)
+    sched_best = (simulate(layers, tiers, best, e.inflight_layers, grad_queue, clip=clip,
+                           moment_bytes=o.moment_bytes)
                   if optimistic else sched)
   else:
     sched = sched_best = math.inf
@@ -437,12 +441,15 @@ def check(plan: Plan) -> None:
   """Raises PlanError (one line: the numbers and what to change) if the plan does not fit."""
   if not plan.fits_host:
     state = plan.host["master weights"] + plan.host["optimizer state"]
+    # fp32 AdamW moments (twice the weights' bytes): bfloat16 ones take half
+    halve = ("optim.state_dtype=bfloat16, "
+             if plan.host["optimizer state"] > 1.5 * plan.host["master weights"] else "")
     raise PlanError(
         f"does not fit in host memory: needs {plan.host_total / GiB:.1f} GiB "
         f"({state / GiB:.1f} GiB state of {plan.params / 1e9:.2f}B params + "
         f"{(plan.host_total - state) / GiB:.1f} GiB buffers, "
         f"{plan.device_state_layers} groups' state in device memory), limit "
-        f"{plan.host_limit / GiB:.1f} GiB; use a smaller model, fewer engine.activations on the host, "
+        f"{plan.host_limit / GiB:.1f} GiB; use {halve}a smaller model, fewer engine.activations on the host, "
         f"optim.clip_mode=recompute, more engine.device_state_layers or a lower engine.grad_queue")
   if not plan.fits_pool:
     raise PlanError(
