@@ -170,7 +170,7 @@ def table(args) -> int:
   if args.ceiling:
     print(f"bf16 matmul ceiling: {args.ceiling:.0f} TFLOP/s (every row held against it)\n")
   elif mm is not None:
-    print(f"bf16 matmul ceiling: {mm:.0f} TFLOP/s (measured in the same session)\n")
+    print(f"bf16 matmul ceiling: {mm:.0f} TFLOP/s (measured in the same device call)\n")
   print(format_rows(rows, mm, args.ceiling))
   if args.plot:
     plot(rows, Path(args.plot))

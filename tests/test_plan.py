@@ -380,7 +380,7 @@ def test_activations_auto_spills_the_fewest_inputs_that_fit_both_memories():
 
 def test_the_plan_counts_the_export_shard_beside_the_state():
   """An export gathers a shard (up to hf.MAX_SHARD_BYTES) in its dtype before writing it; the
-  plan's host total carries that (the session-5 fine-tune peaked 8 GiB over a plan without it)."""
+  plan's host total carries that (the 1B fine-tune on the H200 peaked 8 GiB over a plan without it)."""
   from mtjax import hf  # noqa: PLC0415
   base = config.load(CONFIGS / "llama_1b.yaml", ["engine.device_state_layers=0"])
   item = "import / export staging (start / end)"

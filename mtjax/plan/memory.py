@@ -22,8 +22,9 @@ RUNTIME_HOST_BYTES_CPU = 1 * GiB
 
 # Host memory that grows with the state held in device memory, not yet explained item by item:
 # the 14.8B run with 94.8 GiB of device-tier state peaked at 101.6 GiB RSS against 91.6 GiB of
-# the other items (benchmarks/results/store/), about 10.5% of the device-tier bytes; a 17.0B run
-# planned without this allowance at 125.7 of 125.8 GiB was killed for host memory.
+# the other items (measured on the H200 with engine.grad_queue=4), about 10.5% of the
+# device-tier bytes; a 17.0B run planned without this allowance at 125.7 of 125.8 GiB was killed
+# for host memory.
 DEVICE_TIER_HOST_SHARE = 0.11
 
 

@@ -46,7 +46,7 @@ class Rates:
   """Machine rates for the step-time prediction (defaults: the lent H200 box, measured)."""
   matmul_tflops: float = 600.0  # bf16 dense matmul through jax.jit
   # cuDNN's fused causal attention, forward and backward, bf16, head_dim 128: 465-476 TFLOP/s
-  # measured on the H200 at 128k-512k tokens (benchmarks/results/session6/context)
+  # measured on the H200 at 128k-512k tokens (benchmarks/results/h200/context)
   attention_tflops: float = 470.0
   h2d_gbps: float = 53.0  # pinned host -> device
   d2h_gbps: float = 53.0  # device -> pinned host
@@ -54,8 +54,9 @@ class Rates:
   host_adamw_gparams: float = 4.4
   # The same loop inside a training step, beside the device's compute and copies: fitted to the
   # host path (every group's state on the host) on the H200 boxes lent now, the 3.37B shape at
-  # 8 x 2048 (1.269 s) and the 8B (3.090 s); with it the schedule predicts both within 1%. An
-  # earlier box ran it at 4.2 (benchmarks/results/record/): the schedule's optimistic end.
+  # 8 x 2048 (1.269 s) and the 8B (3.090 s); with it the schedule predicts both within 1%. Another
+  # box ran it at 4.2 (benchmarks/results/h200/bench-b8/all_systems_b8.log): the schedule's
+  # optimistic end.
   host_adamw_in_step_gparams: float = 3.4
   host_adamw_in_step_best_gparams: float = 4.2
   # The device's memory bandwidth (a large device-to-device copy, bytes read and written: 4.3 TB/s
