@@ -42,7 +42,8 @@ def test_config_reference_shows_every_field_with_its_default_and_comment():
 
 def test_check_fails_on_a_stale_table_and_write_repairs_it(tmp_path, capsys):
   page = tmp_path / "page.md"
-  fresh = config_reference.render("x\n<!-- config-reference: data -->\n<!-- /config-reference -->\n")
+  marked = "x\n<!-- config-reference: data -->\n<!-- /config-reference -->\n"
+  fresh = config_reference.render(marked)
   page.write_text(fresh.replace("`packed`", "`padded`"))
   assert config_reference.main(["--check", str(page)]) == 1
   assert "stale config reference" in capsys.readouterr().err
