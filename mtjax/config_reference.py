@@ -129,7 +129,9 @@ def sections() -> dict[str, list[Field]]:
 
 
 def _cell(text: str) -> str:
-  return text.replace("|", "\\|")
+  """`text` safe in a markdown table cell; Python's None as YAML's null."""
+  text = re.sub(r"\bNone\b", "null", text)
+  return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def table(names: list[str]) -> str:
