@@ -129,7 +129,8 @@ def _messages(items: list, mapping: Mapping, where: str, roles: dict, role_key: 
     if not isinstance(content, str):
       raise BadRow("bad message", f"{where}: message {k}'s {content_key!r} is a "
                    f"{type(content).__name__}, not a string")
-    rest = {key: v for key, v in m.items() if key not in (role_key, content_key)}
+    # columnar sources give every message every key of the column's struct: absent ones as None
+    rest = {key: v for key, v in m.items() if key not in (role_key, content_key) and v is not None}
     out.append({**rest, "role": role, "content": content})
   return out
 
