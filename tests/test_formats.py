@@ -74,6 +74,7 @@ ROWS = {
         ["The quick brown fox jumps over the lazy dog.", "hello world"]),
 }
 FLAT = ("alpaca", "prompt_completion", "text")  # formats a CSV file can hold
+FILES = ("jsonl", "json", "csv", "parquet")  # source kinds that are one file
 
 
 def write_source(rows, kind, path):
@@ -91,6 +92,12 @@ def write_source(rows, kind, path):
       w.writerows(rows)
   elif kind == "parquet":
     pq.write_table(pa.table(columns), path)
+  elif kind == "shards":  # a folder: the first row in a Parquet shard, the rest in an Arrow file
+    path.mkdir()
+    table = pa.table(columns)
+    pq.write_table(table.slice(0, 1), path / "part-0.parquet")
+    with pa.ipc.new_file(str(path / "part-1.arrow"), table.schema) as f:
+      f.write_table(table.slice(1))
   elif kind == "datasets":
     datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_dict(columns).save_to_disk(str(path))
@@ -134,10 +141,10 @@ def test_formats_and_sources_give_the_template_rendering(tmp_path, tok_dir, hf, 
   rows, want = ROWS[fmt]
   tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
   eos = tok.token_to_id("<|im_end|>")
-  kinds = ["jsonl", "json", "parquet", "datasets"] + (["csv"] if fmt in FLAT else [])
+  kinds = ["jsonl", "json", "parquet", "shards", "datasets"] + (["csv"] if fmt in FLAT else [])
   files = {}
   for kind in kinds:
-    src = write_source(rows, kind, tmp_path / f"rows.{kind if kind != 'datasets' else 'd'}")
+    src = write_source(rows, kind, tmp_path / (f"rows.{kind}" if kind in FILES else kind))
     out = tmp_path / f"out_{kind}"
     meta = prep(tok_dir, out, [src], fmt)
     assert meta["splits"]["train"]["documents"] == len(rows)
@@ -247,7 +254,8 @@ def test_preference_pairs_share_the_prompt(tmp_path, tok_dir, hf):
   pairs = data.read_pairs(tmp_path / "both", "train")
   assert len(pairs) == 3
   prompts = [[{"role": "user", "content": rows[0]["prompt"]}],
-             [{"role": "system", "content": SYSTEM}, {"role": "user", "content": rows[1]["prompt"]}],
+             [{"role": "system", "content": SYSTEM},
+              {"role": "user", "content": rows[1]["prompt"]}],
              convo[0]["prompt"]]
   answers = [(r["chosen"], r["rejected"]) for r in rows] + [("Hello, how are you?", "Go away.")]
   want = {}
@@ -386,7 +394,8 @@ def test_cli_summary_json_and_weight_errors(tmp_path, tok_dir):
 
 
 def test_checksums_refuse_altered_files(tmp_path, tok_dir):
-  src = write_source([{"text": f"hello world {i}"} for i in range(40)], "jsonl", tmp_path / "t.jsonl")
+  src = write_source([{"text": f"hello world {i}"} for i in range(40)], "jsonl",
+                     tmp_path / "t.jsonl")
   meta = prep(tok_dir, tmp_path / "out", [src], "text", val_fraction=0.1)
   assert set(meta["checksums"]) == {"train.bin", "train.idx", "val.bin", "val.idx"}
   cfg = config.DataConfig(source="prepared", path=str(tmp_path / "out"))

@@ -92,8 +92,8 @@ ROLES = ("system", "user", "assistant", "tool")
 
 
 def problem(messages: list[dict]) -> tuple[str, int, str] | None:
-  """(reason, index, message) of the first message with an unknown role or an empty assistant turn, or of
-  a conversation without an assistant message; None when it is one to train on."""
+  """(reason, index, message) of the first message with an unknown role or an empty assistant
+  turn, or of a conversation without an assistant message; None when it is one to train on."""
   for k, m in enumerate(messages):
     if m.get("role") not in ROLES:
       return "unknown role", k, (f"messages[{k}] has unknown role {m.get('role')!r} (not one of "

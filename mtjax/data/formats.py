@@ -223,7 +223,8 @@ def document(row: dict, fmt: str, mapping: Mapping, where: str):
     rejected = _get(row, mapping, "rejected", where, kinds=(str, list), required=False)
     if rejected is None:
       raise BadRow("no rejected answer", f"{where}: no rejected answer (column "
-                   f"{mapping.column('rejected')!r}); the row has columns {', '.join(map(str, row))}")
+                   f"{mapping.column('rejected')!r}); the row has columns "
+                   f"{', '.join(map(str, row))}")
     rejected = _answer(rejected, "rejected", mapping, where)
     for k, m in enumerate(prompt):
       if m["role"] not in chat.ROLES:

@@ -197,11 +197,11 @@ def rows(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
     yield from _jsonl_rows(path)
 
 
-def count(path: Path, text: bool) -> int:
-  """The rows a file holds (1 for a text document), without converting them: Parquet and Arrow
-  from their metadata, line formats by a pass over the lines."""
+def count(path: Path, whole: bool) -> int:
+  """The rows a file holds (1 where `whole`: the file is one document), without converting them:
+  Parquet from its metadata, Arrow from its batches' headers, line formats by a pass over them."""
   k = kind(path)
-  if text and k == "text":
+  if whole:
     try:
       path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:

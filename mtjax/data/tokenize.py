@@ -266,8 +266,8 @@ def _whole_text(path: Path, fmt: str) -> bool:
   return fmt == "text" and readers.kind(path) == "text"
 
 
-def _first_row(files: list[tuple[Path, int]]) -> dict | None:
-  for f, _ in files:
+def _first_row(files: list[Path]) -> dict | None:
+  for f in files:
     try:
       for _, row in readers.rows(f):
         if isinstance(row, dict):
@@ -320,6 +320,9 @@ def _rows(sources: list[_Source], mapping: Mapping, strict: bool):
           items = readers.rows(f)
         for where, row in items:
           k, j = j, j + 1
+          if k >= base + n:
+            raise ValueError(f"{f}: holds more rows than when it was counted (changed while "
+                             "prepare read it)")
           split = "val" if s.is_val[k] else "train"
           if split == "train" and s.repeats[k] == 0:
             continue  # not drawn into the mixture
@@ -464,29 +467,31 @@ def prepare(tokenizer: str | Path, out: str | Path, inputs: list[str], fmt: str 
   sources = []
   for name in inputs:
     stats = Stats(name)
-    files = []
-    for f in readers.input_files(name):
-      try:
-        files.append((f, readers.count(f, text=fmt in ("text", "auto"))))
-      except BadFile as e:
-        stats.skip("unreadable file", str(e), strict)
+    paths = readers.input_files(name)
     src_fmt = fmt
     if fmt == "auto":
-      if files and all(readers.kind(f) == "text" for f, _ in files):
+      if all(readers.kind(f) == "text" for f in paths):
         src_fmt = "text"
       else:
-        row = _first_row(files)
+        row = _first_row(paths)
         if row is None:
           raise ValueError(f"--format auto: {name} holds no readable row to tell its format by")
         src_fmt = formats.detect(row, mapping)
       log(f"{name}: format {src_fmt} (auto)")
+    files = []
+    for f in paths:
+      try:
+        files.append((f, readers.count(f, whole=_whole_text(f, src_fmt))))
+      except BadFile as e:
+        stats.skip("unreadable file", str(e), strict)
     stats.format = src_fmt
     stats.rows = sum(n for _, n in files)
     sources.append(_Source(name, files, src_fmt, stats))
   n_rows = sum(s.rows for s in sources)
   if n_rows == 0:
     skipped = any(s.stats.skipped for s in sources)
-    raise ValueError(f"{inputs}: no documents" + (f" ({_skip_summary(sources)})" if skipped else ""))
+    raise ValueError(f"{inputs}: no documents"
+                     + (f" ({_skip_summary(sources)})" if skipped else ""))
   pairs = {s.fmt == "preference" for s in sources}
   if len(pairs) > 1:
     raise ValueError("--format: preference sources cannot be mixed with others in one prepare")
@@ -525,7 +530,8 @@ def prepare(tokenizer: str | Path, out: str | Path, inputs: list[str], fmt: str 
     bar = tqdm(total=n_rows, unit="doc", disable=not progress, desc="tokenizing")
     init = (str(tok_file), eos_id, has_mask, opts.last_turn_only)
     try:
-      for chunk, encoded in _encoded(_chunks(_rows(sources, mapping, strict), _CHUNK), workers, init):
+      chunks = _chunks(_rows(sources, mapping, strict), _CHUNK)
+      for chunk, encoded in _encoded(chunks, workers, init):
         for (where, _, split, repeats, i), result in zip(chunk, encoded):
           stats = sources[i].stats
           if result[0] == "bad":
