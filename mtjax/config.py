@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import types
 import typing
@@ -336,7 +337,8 @@ class TrainConfig:
   eval_every: int = 0  # steps between held-out evaluations on the prepared data's val split; 0: none
   eval_batches: int = 16  # at most this many held-out batches per evaluation
   run_dir: str | None = None  # run folder (config, plan, metrics.jsonl, TensorBoard); None: checkpoint_dir, else runs/<time>
-  tensorboard: bool = True  # also write TensorBoard event files into run_dir/tb
+  trackers: tuple[Literal["jsonl", "tensorboard", "wandb"], ...] = ("jsonl", "tensorboard")  # where metrics go: metrics.jsonl (required: report and resume read it), TensorBoard files in run_dir/tb, a Weights & Biases run (pip install wandb; WANDB_MODE=offline works)
+  tensorboard: bool = True  # false leaves out the tensorboard tracker whatever train.trackers says
   profile_step: int = 0  # record a JAX profiler trace of this step into run_dir/profile; 0: none
   export_dir: str | None = None  # at the end, write the weights as a Hugging Face directory here
   export_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # tensor dtype of that export
@@ -351,6 +353,12 @@ class TrainConfig:
       raise ConfigError("train.keep_checkpoints must be >= 0 and train.max_skipped_steps > 0")
     if self.eval_every < 0 or self.eval_batches <= 0:
       raise ConfigError("train.eval_every must be >= 0 and train.eval_batches > 0")
+    if "jsonl" not in self.trackers:
+      raise ConfigError(f"train.trackers: {list(self.trackers)} leaves out jsonl, which report and "
+                        "resume read")
+    if "wandb" in self.trackers and importlib.util.find_spec("wandb") is None:
+      raise ConfigError("train.trackers: wandb is selected but the wandb package is not installed "
+                        "(pip install wandb, or leave wandb out of train.trackers)")
 
 
 @dataclasses.dataclass(frozen=True)

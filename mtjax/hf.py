@@ -24,6 +24,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from mtjax import models
@@ -272,10 +273,8 @@ def _copy(src: np.ndarray, dst: np.ndarray, transpose: bool):
 
 def _widen(part: np.ndarray) -> np.ndarray:
   part = np.asarray(part)
-  if part.dtype == np.uint16:  # bf16 is the top half of an fp32
-    wide = part.astype(np.uint32)
-    wide <<= 16  # in place: one temporary, not two
-    return wide.view(np.float32)
+  if part.dtype == np.uint16:  # bf16 bit patterns
+    return part.view(ml_dtypes.bfloat16).astype(np.float32)
   return part.astype(np.float32, copy=False)
 
 
@@ -378,10 +377,8 @@ DECODERS.append(MXFP4())
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:
   """fp32 -> bf16 bit patterns (uint16), rounding to nearest even as torch does; NaN stays NaN."""
-  bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
-  rounded = (bits + (np.uint32(0x7FFF) + ((bits >> 16) & 1))) >> 16
-  nan = (bits & 0x7FFFFFFF) > 0x7F800000
-  return np.where(nan, (bits >> 16) | 0x0040, rounded).astype(np.uint16)
+  # through fp32 first: a float64 input rounded straight to bf16 could round differently
+  return np.ascontiguousarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
 
 
 def _write_safetensors(path: Path, items: list[tuple[str, str, np.ndarray]]):

@@ -1,14 +1,12 @@
-"""A run folder: the resolved config, the plan, one JSON line of metrics per step and TensorBoard
-scalars of the same numbers.
+"""A run folder: the resolved config, the plan, one JSON line of metrics per step, and the same
+numbers sent to the trackers the config names (train.trackers).
 
 Layout of RUN_DIR: config.yaml and config.json (the resolved config), plan.txt, metrics.jsonl (one
-JSON object per step; non-finite floats are null, so every line is valid JSON) and
-tb/events.out.tfevents.<time>.<host>.mtjax (one scalar per numeric field, tag = field name). Both
-are flushed every step, so a crash loses at most the step being written.
-
-The TensorBoard writer is written here instead of taken from TensorFlow or tensorboardX: scalars
-need only TFRecord framing (length, masked crc32c, data, masked crc32c) around two small protobuf
-messages (Event and Summary), a few varint and fixed-width fields encoded by hand.
+JSON object per step; non-finite floats are null, so every line is valid JSON) and, with the
+tensorboard tracker, tb/events.out.tfevents.<time>.<host>.mtjax (one scalar per numeric field,
+tag = field name, written by tensorboardX). Both are flushed every step, so a crash loses at most
+the step being written. The wandb tracker logs the same scalars to a Weights & Biases run (files
+under RUN_DIR/wandb; WANDB_MODE=offline keeps them there).
 """
 
 from __future__ import annotations
@@ -19,8 +17,6 @@ import math
 import numbers
 import os
 import sys
-import socket
-import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -58,85 +54,48 @@ def setup_logging(level: int | str = logging.INFO) -> logging.Logger:
   return logger
 
 
-# ---- TensorBoard event files ----------------------------------------------------------------
+# ---- trackers --------------------------------------------------------------------------------
 
-def _crc32c_table() -> list[int]:
-  table = []
-  for n in range(256):
-    c = n
-    for _ in range(8):
-      c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1  # Castagnoli polynomial, reflected
-    table.append(c)
-  return table
+TRACKERS = ("jsonl", "tensorboard", "wandb")
 
 
-_CRC_TABLE = _crc32c_table()
-
-
-def crc32c(data: bytes) -> int:
-  crc = 0xFFFFFFFF
-  for b in data:
-    crc = _CRC_TABLE[(crc ^ b) & 0xFF] ^ (crc >> 8)
-  return crc ^ 0xFFFFFFFF
-
-
-def _masked_crc(data: bytes) -> int:
-  crc = crc32c(data)
-  return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF  # TFRecord's mask
-
-
-def _varint(n: int) -> bytes:
-  n &= (1 << 64) - 1  # int64 fields: negatives as two's complement, ten bytes
-  out = bytearray()
-  while n >= 0x80:
-    out.append((n & 0x7F) | 0x80)
-    n >>= 7
-  out.append(n)
-  return bytes(out)
-
-
-def _field_bytes(number: int, payload: bytes) -> bytes:
-  return _varint(number << 3 | 2) + _varint(len(payload)) + payload
-
-
-def _event(wall_time: float, step: int, file_version: str | None = None,
-           scalars: dict[str, float] | None = None) -> bytes:
-  # Event: wall_time=1 (double), step=2 (int64), file_version=3 (string), summary=5 (Summary).
-  # Summary: value=1 (repeated Value); Value: tag=1 (string), simple_value=2 (float).
-  out = _varint(1 << 3 | 1) + struct.pack("<d", wall_time) + _varint(2 << 3) + _varint(step)
-  if file_version is not None:
-    out += _field_bytes(3, file_version.encode())
-  if scalars:
-    values = b"".join(_field_bytes(1, _field_bytes(1, tag.encode()) + _varint(2 << 3 | 5)
-                                   + struct.pack("<f", v)) for tag, v in scalars.items())
-    out += _field_bytes(5, values)
-  return out
-
-
-class EventWriter:
-  """A TensorBoard event file of scalar summaries, flushed after every record."""
+class TensorBoard:
+  """TensorBoard event files of scalar summaries (tensorboardX), flushed after every step."""
 
   def __init__(self, directory: str | Path):
+    from tensorboardX import SummaryWriter  # noqa: PLC0415
+
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    now = time.time()
-    self.path = directory / f"events.out.tfevents.{int(now)}.{socket.gethostname()}{_TB_SUFFIX}"
-    self._f = open(self.path, "ab")
-    self._write(_event(now, 0, file_version="brain.Event:2"))
+    for old in directory.glob(f"events.out.tfevents.*{_TB_SUFFIX}") if directory.is_dir() else ():
+      old.unlink()  # rebuilt from the kept metrics lines: no step twice
+    self._w = SummaryWriter(str(directory), filename_suffix=_TB_SUFFIX, flush_secs=3600)
 
-  def _write(self, data: bytes):
-    header = struct.pack("<Q", len(data))
-    self._f.write(header + struct.pack("<I", _masked_crc(header)) + data
-                  + struct.pack("<I", _masked_crc(data)))
-    self._f.flush()
-
-  def scalars(self, step: int, values: dict[str, float], wall_time: float | None = None):
-    """Writes `values` (tag -> number) at `step` as one event."""
-    if values:
-      self._write(_event(time.time() if wall_time is None else wall_time, step, scalars=values))
+  def scalars(self, step: int, values: dict[str, float], wall_time: float):
+    for tag, v in values.items():
+      self._w.add_scalar(tag, v, global_step=step, walltime=wall_time)
+    self._w.flush()
 
   def close(self):
-    self._f.close()
+    self._w.close()
+
+
+class WandB:
+  """A Weights & Biases run of the same scalars; WANDB_MODE=offline writes it under run_dir only."""
+
+  def __init__(self, run_dir: Path, config: dict | None):
+    try:
+      import wandb  # noqa: PLC0415
+    except ImportError:
+      raise ValueError("train.trackers: wandb is selected but the wandb package is not installed "
+                       "(pip install wandb, or leave wandb out of train.trackers)") from None
+    self._run = wandb.init(dir=str(run_dir), config=config, name=run_dir.name,
+                           project=os.environ.get("WANDB_PROJECT", "mtjax"))
+
+  def scalars(self, step: int, values: dict[str, float], wall_time: float):
+    self._run.log(values, step=step)
+
+  def close(self):
+    self._run.finish()
 
 
 # ---- the run folder -------------------------------------------------------------------------
@@ -159,7 +118,7 @@ def _scalars(record: dict) -> dict[str, float]:
 
 
 class RunLog:
-  """Writes a run folder: config, plan, metrics.jsonl and TensorBoard scalars.
+  """Writes a run folder: config, plan, metrics.jsonl and the trackers' scalars.
 
   A folder that already holds metrics.jsonl is resumed: the lines with step < `start_step` are kept,
   later ones (logged after the last checkpoint of a run that crashed) are dropped, and the
@@ -167,7 +126,7 @@ class RunLog:
   """
 
   def __init__(self, run_dir: str | Path, config: dict | None = None, plan: str | None = None,
-               start_step: int = 0, tensorboard: bool = True):
+               start_step: int = 0, trackers: tuple[str, ...] = ("jsonl", "tensorboard")):
     """Opens (creates or resumes) a run folder.
 
     Args:
@@ -177,8 +136,13 @@ class RunLog:
       plan: the plan as text (e.g. `plan.format_plan(plan)`), written as plan.txt.
       start_step: the first step this run will log (store.step after a restore, 0 for a fresh
         run); earlier lines of metrics.jsonl with step >= start_step are dropped.
-      tensorboard: also write TensorBoard event files under run_dir/tb.
+      trackers: where the metrics go besides metrics.jsonl (always written: report and resume
+        read it): tensorboard (run_dir/tb), wandb.
     """
+    unknown = [t for t in trackers if t not in TRACKERS]
+    if unknown:
+      raise ValueError(f"train.trackers: unknown tracker {unknown[0]!r} (one of "
+                       f"{', '.join(TRACKERS)})")
     self.run_dir = Path(run_dir)
     self.run_dir.mkdir(parents=True, exist_ok=True)
     if config is not None:
@@ -190,14 +154,14 @@ class RunLog:
     self.path = self.run_dir / METRICS
     kept = self._truncate(start_step)
     self._f = open(self.path, "a", encoding="utf-8")
-    self._tb = None
-    if tensorboard:
-      tb_dir = self.run_dir / TB_DIR
-      for old in tb_dir.glob(f"events.out.tfevents.*{_TB_SUFFIX}") if tb_dir.is_dir() else ():
-        old.unlink()
-      self._tb = EventWriter(tb_dir)
+    self._trackers = []
+    if "tensorboard" in trackers:
+      tb = TensorBoard(self.run_dir / TB_DIR)
       for record in kept:
-        self._tb.scalars(record["step"], _scalars(record), record.get("time"))
+        tb.scalars(record["step"], _scalars(record), record.get("time") or time.time())
+      self._trackers.append(tb)
+    if "wandb" in trackers:
+      self._trackers.append(WandB(self.run_dir, config))
 
   def _truncate(self, start_step: int) -> list[dict]:
     """Keeps the lines with step < start_step; returns them."""
@@ -223,7 +187,7 @@ class RunLog:
     return kept
 
   def log(self, step: int, **fields: Any) -> dict:
-    """Appends one step's metrics to metrics.jsonl and TensorBoard, flushed before returning.
+    """Appends one step's metrics to metrics.jsonl and the trackers, flushed before returning.
 
     Args:
       step: the step number.
@@ -239,14 +203,14 @@ class RunLog:
       record["time"] = time.time()
     self._f.write(json.dumps(record, allow_nan=False) + "\n")
     self._f.flush()
-    if self._tb is not None:
-      self._tb.scalars(record["step"], _scalars(record), record["time"])
+    for t in self._trackers:
+      t.scalars(record["step"], _scalars(record), record["time"])
     return record
 
   def close(self):
     self._f.close()
-    if self._tb is not None:
-      self._tb.close()
+    for t in self._trackers:
+      t.close()
 
   def __enter__(self) -> RunLog:
     return self

@@ -176,7 +176,8 @@ def _run(cfg: config_lib.Config, progress: bool, on_plan, json_path: str | None,
   folder = run_folder(cfg)
   metrics = runlog.RunLog(folder, config_lib.to_dict(cfg), plan_lib.format_plan(plan),
                           start_step=store.step + 1 if resumed else 0,  # steps are 1-based
-                          tensorboard=tc.tensorboard)
+                          trackers=tuple(t for t in tc.trackers
+                                         if tc.tensorboard or t != "tensorboard"))
   accel = device.platform != "cpu"
 
   def meta():  # kept with every checkpoint: export reads the config, a resume the data position

@@ -296,16 +296,23 @@ def test_prepare_errors(tmp_path):
   bad = tmp_path / "bad.jsonl"
   bad.write_text('{"text": "ok"}\n{"text": oops}\n')
   with pytest.raises(ValueError, match=r"bad.jsonl:2: bad JSON"):
-    data.prepare(tok_dir, out, [str(bad)], fmt="jsonl", progress=False)
+    data.prepare(tok_dir, out, [str(bad)], fmt="jsonl", val_fraction=0, progress=False,
+                 strict=True)
   bad.write_text('{"text": "ok"}\n\n{"other": 1}\n')
-  with pytest.raises(ValueError, match=r"bad.jsonl:3: no string field 'text'"):
-    data.prepare(tok_dir, out, [str(bad)], fmt="jsonl", progress=False)
+  with pytest.raises(ValueError, match=r"bad.jsonl:3: no column 'text' .*columns other"):
+    data.prepare(tok_dir, out, [str(bad)], fmt="jsonl", val_fraction=0, progress=False,
+                 strict=True)
   bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
   with pytest.raises(ValueError, match=r"bad.jsonl:1: .*no assistant"):
+    data.prepare(tok_dir, out, [str(bad)], fmt="chat", val_fraction=0, progress=False,
+                 strict=True)
+  with pytest.raises(ValueError, match=r"no training documents left \(skipped: 1 no assistant "
+                     r"turn, first: .*bad.jsonl:1: "):
     data.prepare(tok_dir, out, [str(bad)], fmt="chat", val_fraction=0, progress=False)
   bad.write_text("\n  \n")
   with pytest.raises(ValueError, match="no documents"):
     data.prepare(tok_dir, out, [str(bad)], fmt="jsonl", progress=False)
+  assert not out.exists()
   empty = tmp_path / "empty.txt"
   empty.write_text("")
   with pytest.raises(ValueError, match="empty.txt: empty file"):
@@ -320,12 +327,12 @@ def test_prepare_errors(tmp_path):
   good.write_text("hello world")
   with pytest.raises(ValueError, match="--eos"):
     data.prepare(tok_dir, out, [str(good)], eos="<|nope|>", val_fraction=0, progress=False)
-  with pytest.raises(ValueError, match="--val-fraction: 1 document"):
+  with pytest.raises(ValueError, match="--val-fraction: .*good.txt holds 1 document"):
     data.prepare(tok_dir, out, [str(good)], progress=False)
   no_template = make_tokenizer(tmp_path / "plain", template=None)
   with pytest.raises(ValueError, match="no chat_template"):
     data.prepare(no_template, out, [str(bad)], fmt="chat", progress=False)
-  assert not (out / "meta.json").exists()
+  assert not out.exists() and not list(tmp_path.glob(".out.*"))
 
 
 def test_prepare_cli_with_workers_matches_in_process(tmp_path):
@@ -373,8 +380,7 @@ CLI_ERRORS = {  # case: what the one line of stderr names
     "bad json": r"docs\.jsonl:2: bad JSON",
     "out is a file": r"--out: .*taken is a file, not a directory",
     "out under a file": r"--out: .*taken/sub lies under .*taken, a file",
-    "out file is a folder": r"--out: cannot write .*train\.bin \(Is a directory\)",
-    "disk full": r"--out: cannot write .*train\.bin \(No space left on device\)",
+    "out holds other files": r"--out: .*out holds files but no meta\.json",
     "unknown role": r"chat\.jsonl:2: messages\[1\] has unknown role 'bot'",
     "empty assistant message": r"chat\.jsonl:2: messages\[1\] is an empty assistant message",
     "broken template": r"chat template: line 1: ",
@@ -384,12 +390,10 @@ CLI_ERRORS = {  # case: what the one line of stderr names
 
 @pytest.mark.parametrize("case", CLI_ERRORS)
 def test_prepare_cli_error_is_one_line_and_exit_2(tmp_path, case):
-  if case == "disk full" and not Path("/dev/full").exists():
-    pytest.skip("no /dev/full")
   tok_dir = make_tokenizer(tmp_path / "tok")
   out, taken = tmp_path / "out", tmp_path / "taken"
   taken.write_text("not a folder")
-  docs, fmt, extra = tmp_path / "docs.jsonl", "jsonl", []
+  docs, fmt, extra = tmp_path / "docs.jsonl", "jsonl", ["--strict"]
   docs.write_text('{"text": "hello world"}\n')
   if case == "missing input":
     docs = tmp_path / "missing.jsonl"
@@ -399,11 +403,9 @@ def test_prepare_cli_error_is_one_line_and_exit_2(tmp_path, case):
     # refused before the inputs are read: the missing input is not what the error names
     out = taken if case == "out is a file" else taken / "sub"
     docs = tmp_path / "missing.jsonl"
-  elif case == "out file is a folder":
-    (out / "train.bin").mkdir(parents=True)
-  elif case == "disk full":
+  elif case == "out holds other files":
     out.mkdir()
-    (out / "train.bin").symlink_to("/dev/full")
+    (out / "notes.txt").write_text("mine")
   elif case in ("unknown role", "empty assistant message", "broken template"):
     docs, fmt = tmp_path / "chat.jsonl", "chat"
     line2 = {"unknown role": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "hi"},
@@ -417,13 +419,16 @@ def test_prepare_cli_error_is_one_line_and_exit_2(tmp_path, case):
       (tok_dir / "tokenizer_config.json").write_text(json.dumps(
           {**cfg, "chat_template": "{% for m in messages %}{{ m.content }"}))
   elif case == "usage":
-    extra = ["--workers", "x"]
+    extra += ["--workers", "x"]
   r = prepare_cli("--tokenizer", tok_dir, "--out", out, "--format", fmt, "--val-fraction", "0",
                   "--quiet", *extra, docs, cwd=tmp_path)
   lines = r.stderr.strip().splitlines()
   assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.stderr
   assert re.search(CLI_ERRORS[case], lines[0]), lines[0]
   assert taken.read_text() == "not a folder" and not (out / "meta.json").exists()
+  assert not list(tmp_path.glob(".*.prepare-*"))  # no temporary folder left behind
+  if case == "out holds other files":
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
 
 
 def test_prepare_refuses_unknown_roles_and_empty_assistant_messages(tmp_path):
@@ -437,15 +442,23 @@ def test_prepare_refuses_unknown_roles_and_empty_assistant_messages(tmp_path):
           [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
            {"role": "user", "content": "and?"}, {"role": "assistant", "content": "\t "}],
   }
-  for error, msgs in cases.items():
+  for (error, msgs), reason in zip(cases.items(), ["unknown role", "empty assistant turn"]):
     f.write_text(json.dumps({"messages": CONVERSATIONS[0]}) + "\n"
                  + json.dumps({"messages": msgs}) + "\n")
     with pytest.raises(ValueError, match=error):
       data.prepare(tok_dir, tmp_path / "out", [str(f)], fmt="chat", val_fraction=0,
-                   progress=False)
+                   progress=False, strict=True)
+    meta = data.prepare(tok_dir, tmp_path / "out", [str(f)], fmt="chat", val_fraction=0,
+                        progress=False)  # without --strict: counted, skipped, the first named
+    (stats,) = meta["stats"]
+    assert meta["splits"]["train"]["documents"] == 1 and stats["rows"] == 2
+    assert list(stats["skipped"]) == [reason] and stats["skipped"][reason]["count"] == 1
+    assert re.search(error, stats["skipped"][reason]["first"])
+    assert json.loads((tmp_path / "out" / "stats.json").read_text()) == meta["stats"]
   f.write_text(json.dumps({"prompt": "hi", "response": ""}) + "\n")
-  with pytest.raises(ValueError, match=r"chat\.jsonl:1: empty 'response'"):
-    data.prepare(tok_dir, tmp_path / "out", [str(f)], fmt="chat", val_fraction=0, progress=False)
+  with pytest.raises(ValueError, match=r"chat\.jsonl:1: messages\[1\] is an empty assistant"):
+    data.prepare(tok_dir, tmp_path / "out", [str(f)], fmt="chat", val_fraction=0, progress=False,
+                 strict=True)
 
 
 @pytest.mark.parametrize("fmt", ["text", "jsonl"])

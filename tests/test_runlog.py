@@ -1,26 +1,18 @@
-"""The run folder: metrics.jsonl schema, resume truncation, and TensorBoard files read back by a
-decoder written here independently of the writer (TFRecord framing, crc32c, protobuf fields)."""
+"""The run folder: metrics.jsonl schema, resume truncation, and TensorBoard files read back with
+the TFRecord framing checked by google-crc32c and each record parsed by the Event protobuf."""
 
 import json
 import logging
 import math
 import struct
 
+import google_crc32c
 import numpy as np
 import pytest
 import yaml
+from tensorboardX.proto import event_pb2
 
-from mtjax import runlog
-
-
-def _crc32c(data: bytes) -> int:
-  """Bitwise crc32c, no table: independent of the writer's table-driven one."""
-  crc = 0xFFFFFFFF
-  for b in data:
-    crc ^= b
-    for _ in range(8):
-      crc = (crc >> 1) ^ (0x82F63B78 & -(crc & 1))
-  return crc ^ 0xFFFFFFFF
+from mtjax import config, runlog
 
 
 def _unmask(masked: int) -> int:
@@ -35,71 +27,34 @@ def _records(path) -> list[bytes]:
     header = buf[pos:pos + 8]
     (length,) = struct.unpack("<Q", header)
     (len_crc,) = struct.unpack("<I", buf[pos + 8:pos + 12])
-    assert _unmask(len_crc) == _crc32c(header)
+    assert _unmask(len_crc) == google_crc32c.value(header)
     data = buf[pos + 12:pos + 12 + length]
     (data_crc,) = struct.unpack("<I", buf[pos + 12 + length:pos + 16 + length])
-    assert _unmask(data_crc) == _crc32c(data)
+    assert _unmask(data_crc) == google_crc32c.value(data)
     out.append(data)
     pos += 16 + length
   assert pos == len(buf)
   return out
 
 
-def _fields(buf: bytes) -> list[tuple[int, int, object]]:
-  """(field number, wire type, value) of a protobuf message: ints, 8/4 raw bytes or bytes."""
-  pos, out = 0, []
-
-  def varint():
-    nonlocal pos
-    n = shift = 0
-    while True:
-      b = buf[pos]
-      pos += 1
-      n |= (b & 0x7F) << shift
-      shift += 7
-      if not b & 0x80:
-        return n
-
-  while pos < len(buf):
-    key = varint()
-    number, wire = key >> 3, key & 7
-    if wire == 0:
-      value = varint()
-    elif wire == 1:
-      value, pos = buf[pos:pos + 8], pos + 8
-    elif wire == 5:
-      value, pos = buf[pos:pos + 4], pos + 4
-    elif wire == 2:
-      n = varint()
-      value, pos = buf[pos:pos + n], pos + n
-    else:
-      raise AssertionError(f"wire type {wire}")
-    out.append((number, wire, value))
-  return out
-
-
 def _tb_events(run_dir) -> list[dict]:
-  """Every event of every event file under run_dir/tb, as {step, wall_time, version, scalars}."""
+  """The events of the event files under run_dir/tb as {step, wall_time, version, scalars}, the
+  scalars of consecutive events of one step and time together."""
   events = []
   for path in sorted((run_dir / "tb").glob("events.out.tfevents.*")):
     for data in _records(path):
-      ev = {"step": 0, "scalars": {}}
-      for number, wire, value in _fields(data):
-        if number == 1:
-          assert wire == 1
-          ev["wall_time"] = struct.unpack("<d", value)[0]
-        elif number == 2:
-          assert wire == 0
-          ev["step"] = value
-        elif number == 3:
-          ev["version"] = value.decode()
-        elif number == 5:
-          for vnum, _, v in _fields(value):
-            assert vnum == 1
-            parts = {n: (w, x) for n, w, x in _fields(v)}
-            assert parts[2][0] == 5  # simple_value: a 32-bit float
-            ev["scalars"][parts[1][1].decode()] = struct.unpack("<f", parts[2][1])[0]
-      events.append(ev)
+      ev = event_pb2.Event.FromString(data)
+      scalars = {v.tag: v.simple_value for v in ev.summary.value}
+      for v in ev.summary.value:
+        assert v.WhichOneof("value") == "simple_value"
+      if ev.file_version:
+        events.append({"step": ev.step, "wall_time": ev.wall_time, "version": ev.file_version,
+                       "scalars": {}})
+      elif events and events[-1]["scalars"] and events[-1]["step"] == ev.step \
+          and events[-1]["wall_time"] == ev.wall_time:
+        events[-1]["scalars"].update(scalars)
+      else:
+        events.append({"step": ev.step, "wall_time": ev.wall_time, "scalars": scalars})
   return events
 
 
@@ -119,8 +74,7 @@ def _step(i: int) -> dict:
 
 
 def test_crc32c_check_value():
-  assert _crc32c(b"123456789") == 0xE3069283  # the published crc32c check value
-  assert runlog.crc32c(b"123456789") == 0xE3069283
+  assert google_crc32c.value(b"123456789") == 0xE3069283  # the published crc32c check value
 
 
 def test_metrics_schema_config_and_plan(tmp_path):
@@ -144,7 +98,7 @@ def test_metrics_schema_config_and_plan(tmp_path):
 
 
 def test_bad_value_named(tmp_path):
-  with runlog.RunLog(tmp_path, tensorboard=False) as log:
+  with runlog.RunLog(tmp_path, trackers=("jsonl",)) as log:
     with pytest.raises(TypeError, match="lr"):
       log.log(0, lr=[1.0])
 
@@ -187,7 +141,7 @@ def test_tensorboard_scalars_round_trip(tmp_path):
   steps = events[1:]
   assert [e["step"] for e in steps] == [0, 1, 2]
   for ev, rec in zip(steps, written):
-    assert ev["wall_time"] == rec["time"]
+    assert ev["wall_time"] == pytest.approx(rec["time"], abs=1e-6)
     numeric = {k: v for k, v in rec.items()
                if k not in ("step", "time") and isinstance(v, (int, float))}
     assert set(ev["scalars"]) == set(numeric)  # no step, time, null or non-numeric fields
@@ -213,3 +167,33 @@ def test_setup_logging_once(capsys):
     for h in [h for h in logger.handlers if getattr(h, "_mtjax", False)]:
       logger.removeHandler(h)
     logger.setLevel(logging.NOTSET)
+
+
+def test_trackers_config_and_a_missing_wandb(tmp_path, monkeypatch):
+  with runlog.RunLog(tmp_path / "plain", trackers=("jsonl",)) as log:
+    log.log(0, loss=1.0)
+  assert not (tmp_path / "plain" / "tb").exists()
+  with pytest.raises(ValueError, match="unknown tracker 'mlflow'"):
+    runlog.RunLog(tmp_path / "x", trackers=("jsonl", "mlflow"))
+  with pytest.raises(config.ConfigError, match="leaves out jsonl"):
+    config.TrainConfig(trackers=("tensorboard",))
+  assert config.TrainConfig(trackers=("jsonl", "tensorboard")).trackers == ("jsonl", "tensorboard")
+  monkeypatch.setattr(config.importlib.util, "find_spec", lambda name: None)
+  with pytest.raises(config.ConfigError, match="wandb is selected but the wandb package is not "
+                     "installed"):
+    config.TrainConfig(trackers=("jsonl", "wandb"))
+  monkeypatch.setitem(__import__("sys").modules, "wandb", None)  # import wandb fails
+  with pytest.raises(ValueError, match="wandb is selected but the wandb package is not installed"):
+    runlog.RunLog(tmp_path / "w", trackers=("jsonl", "wandb"))
+
+
+def test_wandb_offline_run_holds_the_scalars(tmp_path, monkeypatch):
+  wandb = pytest.importorskip("wandb")
+  monkeypatch.setenv("WANDB_MODE", "offline")
+  monkeypatch.setenv("WANDB_SILENT", "true")
+  with runlog.RunLog(tmp_path, {"train": {"steps": 2}}, trackers=("jsonl", "wandb")) as log:
+    log.log(0, loss=2.0)
+    log.log(1, loss=1.5)
+  (run,) = (tmp_path / "wandb").glob("offline-run-*")
+  assert list(run.glob("*.wandb")), "no offline run file"
+  del wandb

@@ -1,15 +1,18 @@
 """Data: token batches for training and evaluation, and `python -m mtjax.data prepare`.
 
   batch.py    Batch, the synthetic stream
-  sources.py  a flat token file, prepared documents (packed or padded), held-out batches
+  sources.py  a flat token file, prepared documents (packed or padded), held-out batches,
+              preference pairs (read_pairs)
+  readers.py  input files as rows: JSONL, JSON, CSV, Parquet, Arrow, datasets folders, text
+  formats.py  rows as documents: text, alpaca, sharegpt, messages, prompt_completion, preference
   chat.py     a tokenizer's chat template rendered as transformers renders it, assistant masks
-  tokenize.py tokenizing text, jsonl and chat documents into a prepared directory (prepare)
+  tokenize.py tokenizing sources (a mixture of them) into a prepared directory (prepare)
   __main__.py the prepare command
 """
 
 from mtjax.data.batch import Batch, Synthetic, synthetic_batch
-from mtjax.data.sources import (SPLITS, Prepared, PreparedSource, TokenFile, batches, position,
-                                source, validation_batches)
+from mtjax.data.sources import (SPLITS, Pairs, Prepared, PreparedSource, TokenFile, batches,
+                                position, read_pairs, source, validation_batches)
 
 
 def prepare(*args, **kwargs):
@@ -18,5 +21,6 @@ def prepare(*args, **kwargs):
   return run(*args, **kwargs)
 
 
-__all__ = ["Batch", "Prepared", "PreparedSource", "SPLITS", "Synthetic", "TokenFile", "batches",
-           "position", "prepare", "source", "synthetic_batch", "validation_batches"]
+__all__ = ["Batch", "Pairs", "Prepared", "PreparedSource", "SPLITS", "Synthetic", "TokenFile",
+           "batches", "position", "prepare", "read_pairs", "source", "synthetic_batch",
+           "validation_batches"]

@@ -91,14 +91,26 @@ def load_tokenizer_config(path: str | Path) -> dict:
 ROLES = ("system", "user", "assistant", "tool")
 
 
-def check_messages(messages: list[dict]) -> None:
-  """Raises ValueError naming the first message with an unknown role or an empty assistant turn."""
+def problem(messages: list[dict]) -> tuple[str, int, str] | None:
+  """(reason, index, message) of the first message with an unknown role or an empty assistant
+  turn, or of a conversation without an assistant message; None when it is one to train on."""
   for k, m in enumerate(messages):
     if m.get("role") not in ROLES:
-      raise ValueError(f"messages[{k}] has unknown role {m.get('role')!r} (not one of "
-                       f"{', '.join(ROLES)})")
+      return "unknown role", k, (f"messages[{k}] has unknown role {m.get('role')!r} (not one of "
+                              f"{', '.join(ROLES)})")
     if m["role"] == "assistant" and not str(m.get("content") or "").strip():
-      raise ValueError(f"messages[{k}] is an empty assistant message: nothing to train on")
+      return "empty assistant turn", k, (f"messages[{k}] is an empty assistant message: nothing to "
+                                      "train on")
+  if not any(m["role"] == "assistant" for m in messages):
+    return "no assistant turn", len(messages), "conversation has no assistant message to train on"
+  return None
+
+
+def check_messages(messages: list[dict]) -> None:
+  """Raises ValueError naming the first problem `problem` finds."""
+  found = problem(messages)
+  if found:
+    raise ValueError(found[2])
 
 
 class ChatTemplate:
@@ -340,19 +352,22 @@ def loss_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> n
   return mask
 
 
-def encode_chat(tokenizer, template: ChatTemplate, messages: list[dict]
-                ) -> tuple[np.ndarray, np.ndarray]:
+def encode_chat(tokenizer, template: ChatTemplate, messages: list[dict],
+                last_turn_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
   """Tokenizes a conversation as `apply_chat_template(messages, tokenize=True)` does.
 
   Args:
     tokenizer: a `tokenizers.Tokenizer`.
     template: the tokenizer's chat template; its mask_method says how the mask was found.
     messages: [{"role": ..., "content": ...}, ...], roles from ROLES, no empty assistant message.
+    last_turn_only: the mask covers the last assistant turn the rendering holds, not every one.
 
   Returns:
     (ids [n] int64, loss mask [n] uint8: 1 on the assistant messages' tokens).
   """
   check_messages(messages)
   text, spans = template.assistant_spans(messages)
+  if last_turn_only:
+    spans = [s for s in spans if s[1] > s[0]][-1:]
   enc = tokenizer.encode(text, add_special_tokens=False)
   return np.asarray(enc.ids, np.int64), loss_mask(enc.offsets, spans)

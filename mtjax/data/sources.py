@@ -5,6 +5,7 @@ padded; and the held-out batches of a prepared val split."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 from pathlib import Path
 from typing import Iterator
@@ -72,9 +73,56 @@ class _TokenWindows:
 
 # ---------------------------------------------------------------------------------------------
 # Prepared documents: DIR/{split}.bin (tokens), .idx (uint64 document starts plus the end),
-# .mask (uint8, chat only: 1 where a token is a target the loss counts) and meta.json.
+# .mask (uint8, chat only: 1 where a token is a target the loss counts) and meta.json, which holds
+# a crc32c of every file (checked once per process and file when the data is opened).
 
 SPLITS = ("train", "val")
+_CHECKED: set = set()  # (path, size, mtime_ns) of the files whose checksum matched meta.json
+
+
+def checksum(path: str | Path) -> str:
+  """The crc32c of a file as 8 hex digits, read in 16 MiB pieces."""
+  import google_crc32c  # noqa: PLC0415
+
+  crc = 0
+  with open(path, "rb") as f:
+    while piece := f.read(1 << 24):
+      crc = google_crc32c.extend(crc, piece)
+  return f"{crc:08x}"
+
+
+def _check_files(path: Path, meta: dict, files: dict[str, int]):
+  """Checks each file's size (name -> bytes meta.json implies) and its crc32c in meta.json."""
+  sums = meta.get("checksums", {})
+  for name, size in files.items():
+    f = path / name
+    if not f.is_file():
+      raise FileNotFoundError(f"data.path: {f} does not exist")
+    st = f.stat()
+    if st.st_size != size:
+      raise ValueError(f"data.path: {f} holds {st.st_size} bytes; meta.json implies {size}")
+    key = (str(f.resolve()), st.st_size, st.st_mtime_ns)
+    if name in sums and key not in _CHECKED:
+      if checksum(f) != sums[name]:
+        raise ValueError(f"data.path: {f} does not match its crc32c in meta.json (altered or "
+                         "damaged; prepare the data again)")
+      _CHECKED.add(key)
+
+
+def _read_meta(path: Path) -> dict:
+  meta_path = path / "meta.json"
+  if not path.is_dir():
+    raise FileNotFoundError(f"data.path: prepared directory {path} does not exist")
+  if not meta_path.is_file():
+    raise FileNotFoundError(f"data.path: {meta_path} does not exist (run python -m mtjax.data "
+                            "prepare, which writes it last)")
+  try:
+    meta = json.loads(meta_path.read_text())
+    if not isinstance(meta, dict):
+      raise TypeError("not an object")
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"data.path: {meta_path} is not a prepared-data meta.json ({e!r})") from None
+  return meta
 
 
 class Prepared:
@@ -83,13 +131,11 @@ class Prepared:
   def __init__(self, path: str | Path, split: str, vocab: int):
     path = Path(path)
     meta_path = path / "meta.json"
-    if not path.is_dir():
-      raise FileNotFoundError(f"data.path: prepared directory {path} does not exist")
-    if not meta_path.is_file():
-      raise FileNotFoundError(f"data.path: {meta_path} does not exist (run python -m mtjax.data "
-                              "prepare, which writes it last)")
+    meta = _read_meta(path)
+    if meta.get("pairs"):
+      raise ValueError(f"data.path: {path} holds preference pairs (read by train.objective dpo, "
+                       "mtjax.data.read_pairs), not documents")
     try:
-      meta = json.loads(meta_path.read_text())
       dtype = np.dtype(meta["dtype"])
       info = meta["splits"][split]
       n_docs, n_tokens = int(info["documents"]), int(info["tokens"])
@@ -104,15 +150,10 @@ class Prepared:
                        f"({vocab})")
     if n_docs < 1:
       raise ValueError(f"data.path: split {split!r} of {path} holds no documents")
-    files = {"bin": (n_tokens * dtype.itemsize), "idx": (n_docs + 1) * 8}
+    files = {f"{split}.bin": n_tokens * dtype.itemsize, f"{split}.idx": (n_docs + 1) * 8}
     if meta.get("has_mask"):
-      files["mask"] = n_tokens
-    for ext, size in files.items():
-      f = path / f"{split}.{ext}"
-      if not f.is_file():
-        raise FileNotFoundError(f"data.path: {f} does not exist")
-      if f.stat().st_size != size:
-        raise ValueError(f"data.path: {f} holds {f.stat().st_size} bytes; meta.json implies {size}")
+      files[f"{split}.mask"] = n_tokens
+    _check_files(path, meta, files)
     self.path, self.split, self.meta = path, split, meta
     self.vocab, self.pad_id = data_vocab, pad_id
     self.tokens = np.memmap(path / f"{split}.bin", dtype=dtype, mode="r")
@@ -144,6 +185,91 @@ class Prepared:
     toks = np.asarray(self.tokens[a + lo:a + hi]).astype(np.int64)
     mask = None if self.mask is None else np.asarray(self.mask[a + lo:a + hi])
     return toks, mask
+
+
+@dataclasses.dataclass(frozen=True)
+class Pairs:
+  """The preference pairs of a prepared split (`prepare --format preference`).
+
+  Pair i is document i of each side: the chosen side's ids are
+  chosen[chosen_starts[i]:chosen_starts[i + 1]] with the loss mask chosen_mask over the same range
+  (1 on the answer's tokens, its end-of-turn token included), and likewise for the rejected side.
+  Both sides begin with the same prefix[i] tokens, the prompt rendered by the chat template; the
+  answer starts at prefix[i]. Token arrays are memory maps of the files.
+  """
+  chosen: np.ndarray  # [N_chosen] token ids, uint16 or uint32
+  chosen_starts: np.ndarray  # [n + 1] int64 document starts plus the end
+  chosen_mask: np.ndarray  # [N_chosen] uint8
+  rejected: np.ndarray  # [N_rejected]
+  rejected_starts: np.ndarray  # [n + 1] int64
+  rejected_mask: np.ndarray  # [N_rejected] uint8
+  prefix: np.ndarray  # [n] int64 length of the prompt both sides share
+  vocab_size: int
+  pad_id: int
+  eos_id: int
+
+  def __len__(self) -> int:
+    return len(self.prefix)
+
+  def pair(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(chosen ids, chosen mask, rejected ids, rejected mask) of pair i, as int64 / uint8 arrays."""
+    c0, c1 = int(self.chosen_starts[i]), int(self.chosen_starts[i + 1])
+    r0, r1 = int(self.rejected_starts[i]), int(self.rejected_starts[i + 1])
+    return (np.asarray(self.chosen[c0:c1], np.int64), np.asarray(self.chosen_mask[c0:c1]),
+            np.asarray(self.rejected[r0:r1], np.int64), np.asarray(self.rejected_mask[r0:r1]))
+
+
+def read_pairs(path: str | Path, split: str = "train", vocab: int | None = None) -> Pairs:
+  """Opens the preference pairs of a prepared directory, checked against meta.json.
+
+  Files: {split}.chosen.bin/.idx/.mask, {split}.rejected.bin/.idx/.mask (as a document split's
+  .bin/.idx/.mask) and {split}.prefix (uint64 per pair: the shared prompt's length).
+
+  Args:
+    path: the prepared directory.
+    split: train or val.
+    vocab: model.vocab_size, when every token id must be below it; None: meta.json's.
+
+  Returns:
+    The split's Pairs. Raises ValueError / FileNotFoundError (one line naming the file) on a
+    directory that is not preference data, or files of the wrong size or checksum.
+  """
+  path = Path(path)
+  meta = _read_meta(path)
+  if not meta.get("pairs"):
+    raise ValueError(f"data.path: {path} holds documents, not preference pairs (prepare with "
+                     "--format preference)")
+  try:
+    dtype = np.dtype(meta["dtype"])
+    info = meta["splits"][split]
+    n, sides = int(info["documents"]), info["sides"]
+    data_vocab = int(meta["vocab_size"])
+  except (ValueError, KeyError, TypeError) as e:
+    raise ValueError(f"data.path: {path / 'meta.json'} is not a prepared-data meta.json "
+                     f"({e!r})") from None
+  if vocab is not None and data_vocab > vocab:
+    raise ValueError(f"data.path: {path / 'meta.json'} has vocab_size {data_vocab} > "
+                     f"model.vocab_size ({vocab})")
+  files = {f"{split}.prefix": n * 8}
+  for side in ("chosen", "rejected"):
+    t = int(sides[side])
+    files.update({f"{split}.{side}.bin": t * dtype.itemsize, f"{split}.{side}.idx": (n + 1) * 8,
+                  f"{split}.{side}.mask": t})
+  _check_files(path, meta, files)
+  arrays = {}
+  for side in ("chosen", "rejected"):
+    stem = path / f"{split}.{side}"
+    starts = np.fromfile(f"{stem}.idx", np.uint64).astype(np.int64)
+    if starts[0] != 0 or starts[-1] != int(sides[side]) or np.any(np.diff(starts) <= 0):
+      raise ValueError(f"data.path: {stem}.idx is not a sorted list of document starts")
+    arrays[side] = np.memmap(f"{stem}.bin", dtype=dtype, mode="r") if starts[-1] else \
+        np.zeros(0, dtype)
+    arrays[f"{side}_starts"] = starts
+    arrays[f"{side}_mask"] = np.memmap(f"{stem}.mask", dtype=np.uint8, mode="r") if starts[-1] \
+        else np.zeros(0, np.uint8)
+  prefix = np.fromfile(path / f"{split}.prefix", np.uint64).astype(np.int64)
+  return Pairs(**arrays, prefix=prefix, vocab_size=data_vocab, pad_id=int(meta["pad_id"]),
+               eos_id=int(meta["eos_id"]))
 
 
 def _row(pieces: list[tuple[np.ndarray, np.ndarray | None]], seq: int, pad_id: int
