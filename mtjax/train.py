@@ -103,10 +103,32 @@ class Saves:
 LOG_FILE = "train.log"  # in the run folder: library threads' errors and tracebacks, warnings
 
 
+class _ThreadStderr:
+  """sys.stderr for the run: the main thread's writes (mtjax's messages, the progress bar) reach
+  the terminal, other threads' (tracebacks that tensorstore's callback threads print directly)
+  go to the log file."""
+
+  def __init__(self, terminal, log_file):
+    self._terminal, self._log = terminal, log_file
+
+  def write(self, text):
+    if threading.current_thread() is threading.main_thread():
+      return self._terminal.write(text)
+    self._log.write(text)
+    self._log.flush()
+    return len(text)
+
+  def flush(self):
+    self._terminal.flush()
+
+  def __getattr__(self, name):  # isatty, fileno, encoding: the terminal's
+    return getattr(self._terminal, name)
+
+
 class _LibraryLogs:
-  """Sends what libraries log (orbax's background threads log their tracebacks through absl) and
-  uncaught exceptions of threads to the run folder's log file, never to the terminal; mtjax's own
-  one-line messages still reach stderr through its logger."""
+  """Sends what libraries log (orbax's background threads log their tracebacks through absl),
+  uncaught exceptions of threads and whatever other threads print to stderr to the run folder's
+  log file, never to the terminal; mtjax's own one-line messages still reach stderr."""
 
   def __init__(self, folder: Path):
     self.path = Path(folder) / LOG_FILE
@@ -119,6 +141,8 @@ class _LibraryLogs:
     self.handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root.handlers = [self.handler]
     root.setLevel(logging.WARNING)
+    self._stderr = sys.stderr
+    sys.stderr = _ThreadStderr(sys.stderr, self.handler.stream)
     threading.excepthook = lambda a: logging.getLogger("thread").error(
         "uncaught in thread %s", a.thread.name if a.thread else "?",
         exc_info=(a.exc_type, a.exc_value, a.exc_traceback))
@@ -128,6 +152,7 @@ class _LibraryLogs:
     root = logging.getLogger()
     root.handlers, level, threading.excepthook = self._old
     root.setLevel(level)
+    sys.stderr = self._stderr
     self.handler.close()
 
 
