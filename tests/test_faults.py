@@ -112,3 +112,134 @@ def test_absurd_sizes_are_refused_before_anything_is_laid_out(over, monkeypatch)
     plan.prepare(cli.load_config(TINY, over))
   assert "\n" not in str(e.value)
   assert time.perf_counter() - t < 2.0
+
+
+# ---- in-process: the CLI's answers to failed writes ----------------------------------------------
+
+COMMON = ["optim.decay_steps=1000", "model.layers=1", "train.batch=4", "train.seq=16",
+          "train.tensorboard=false"]
+
+
+@pytest.fixture
+def main(capsys, monkeypatch):
+  """`python -m mtjax.train` in-process (same code path, no interpreter start-up): (exit code,
+  stderr)."""
+  import logging
+  from mtjax import train
+  monkeypatch.setattr(logging.getLogger("mtjax"), "handlers", [])  # main() adds one per call
+
+  def run(*args):
+    capsys.readouterr()
+    try:
+      code = train.main(["--config", str(TINY), "--no-progress", "--quiet", *COMMON, *args])
+    except SystemExit as e:
+      code = e.code
+    return code, capsys.readouterr().err
+  return run
+
+
+def full_disk_at(monkeypatch, steps):
+  """Every checkpoint save of a step in `steps` finds the disk full after writing part of it."""
+  import errno
+  from mtjax import checkpoint
+  real = checkpoint._write
+
+  def write(store, tmp, *a):
+    if store.step in steps:
+      (Path(tmp) / "part").write_bytes(b"x" * 10)
+      raise OSError(errno.ENOSPC, "No space left on device")
+    return real(store, tmp, *a)
+  monkeypatch.setattr(checkpoint, "_write", write)
+
+
+def test_a_failed_save_is_retried_and_a_second_in_a_row_ends_the_run(tmp_path, main, monkeypatch):
+  from mtjax import checkpoint
+  ck = tmp_path / "ck"
+  full_disk_at(monkeypatch, {2})
+  code, err = main("train.steps=6", "train.checkpoint_every=2", f"train.checkpoint_dir={ck}")
+  assert code == cli.OK, err
+  warning, = err.strip().splitlines()  # one line: the folder, the reason, the last good one
+  assert (f"cannot write step_2 in {ck} (No space left on device); last good checkpoint: none; "
+          f"trying again" in warning)
+  assert sorted(p.name for p in ck.iterdir() if p.name.startswith(("step_", ".step_"))) == [
+      "step_4", "step_6"]
+  # Two failures in a row: the run ends with the I/O exit code; the last good checkpoint stays.
+  full_disk_at(monkeypatch, {10, 12})
+  code, err = main("train.steps=14", "train.checkpoint_every=2", f"train.checkpoint_dir={ck}")
+  assert code == cli.IO_FAILURE, err
+  lines = err.strip().splitlines()
+  assert len(lines) == 2 and "Traceback" not in err
+  assert lines[1] == (f"error: checkpoint: cannot write step_12 in {ck} (No space left on device); "
+                      f"last good checkpoint: {ck / 'step_8'} (2 saves in a row failed; free space "
+                      f"or fix the folder, then run again to resume)")
+  assert checkpoint.latest(ck) == ck / "step_8" and not list(ck.glob(".step_*"))
+  # A final save that fails ends the run the same way.
+  full_disk_at(monkeypatch, {9})
+  code, err = main("train.steps=9", f"train.checkpoint_dir={ck}")
+  assert code == cli.IO_FAILURE and "the final save failed" in err and len(err.splitlines()) == 1
+  assert (ck / "train.log").exists()  # the run folder's log holds the warnings too
+  monkeypatch.undo()
+
+
+def test_too_little_disk_is_refused_with_both_numbers_unless_accepted(tmp_path, main, monkeypatch):
+  import collections
+  import shutil
+  usage = collections.namedtuple("usage", "total used free")
+  monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 300_000, 300_000))
+  ck = tmp_path / "ck"
+  code, err = main("train.steps=2", f"train.checkpoint_dir={ck}", "train.keep_checkpoints=2",
+                   "train.checkpoint_every=1")
+  assert code == cli.BAD_INPUT, err
+  assert err.startswith(f"refused: not enough disk space: {ck} has 0.3 MiB free, the run needs ")
+  assert "train.allow_low_disk=true" in err and len(err.splitlines()) == 1
+  assert not (ck / "step_1").exists()
+  code, err = main("train.steps=2", f"train.checkpoint_dir={ck}", "train.allow_low_disk=true")
+  assert code == cli.OK, err
+
+
+def test_a_bug_is_one_line_and_its_traceback_goes_to_the_run_log(tmp_path, main, monkeypatch):
+  from mtjax import engine
+  monkeypatch.setattr(engine.Engine, "step", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+  code, err = main("train.steps=2", f"train.run_dir={tmp_path}")
+  assert code == cli.FAILED and len(err.strip().splitlines()) == 1
+  assert err.startswith("internal error: RuntimeError: boom") and "Traceback" not in err
+  assert "Traceback" in (tmp_path / "train.log").read_text()
+
+
+def export_main(*args):
+  from mtjax import export
+  return export.main(list(map(str, args)))
+
+
+def tree_bytes(d: Path) -> dict:
+  return {p.name: p.read_bytes() for p in d.iterdir()}
+
+
+def test_export_is_atomic_verified_and_a_rerun_finishes_it(tmp_path, main, monkeypatch, capsys):
+  import errno
+  from mtjax import hf
+  ck = tmp_path / "ck"
+  assert main("train.steps=2", f"train.checkpoint_dir={ck}")[0] == 0
+  assert export_main("--checkpoint", ck, "--out", tmp_path / "a") == cli.OK
+  want = tree_bytes(tmp_path / "a")
+  # What a killed export leaves beside its target is cleared, and the export finishes.
+  (tmp_path / ".b.partial").mkdir()
+  (tmp_path / ".b.partial" / "model.safetensors").write_bytes(b"half")
+  (tmp_path / "..b.partial.tmp-0badc0de").mkdir()
+  assert export_main("--checkpoint", ck, "--out", tmp_path / "b") == cli.OK
+  assert tree_bytes(tmp_path / "b") == want
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "ck"]
+  # A full disk: the I/O exit code, nothing at the target, nothing left beside it.
+  real = hf._write_safetensors
+  monkeypatch.setattr(hf, "_write_safetensors", lambda path, items: (
+      real(path, items), path.write_bytes(path.read_bytes()[:50]),
+      (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device"))))
+  capsys.readouterr()
+  assert export_main("--checkpoint", ck, "--out", tmp_path / "c") == cli.IO_FAILURE
+  assert capsys.readouterr().err == "error: No space left on device\n"
+  # A shard written short without an error (a lying disk): verification refuses it.
+  monkeypatch.setattr(hf, "_write_safetensors", lambda path, items: (
+      real(path, items), path.write_bytes(path.read_bytes()[:-8])))
+  assert export_main("--checkpoint", ck, "--out", tmp_path / "c") == cli.BAD_INPUT
+  assert len(capsys.readouterr().err.splitlines()) == 1
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "ck"]
