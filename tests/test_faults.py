@@ -181,6 +181,37 @@ def test_a_failed_save_is_retried_and_a_second_in_a_row_ends_the_run(tmp_path, m
   monkeypatch.undo()
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+  """A 1.5 MiB tmpfs (root only): a real full disk, as orbax and tensorstore meet it."""
+  import os
+  import subprocess
+  disk = tmp_path / "disk"
+  disk.mkdir()
+  if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1536k", "tmpfs",
+                                          str(disk)], capture_output=True).returncode:
+    pytest.skip("mounting a tmpfs needs root")
+  yield disk
+  subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_real_full_disk_ends_in_one_line_and_tracebacks_go_to_the_log(tmp_path, main,
+                                                                        small_disk):
+  from mtjax import checkpoint
+  ck = small_disk / "ck"  # room for one checkpoint of ~1 MiB, not two
+  code, err = main("train.steps=12", "train.checkpoint_every=2", "train.keep_checkpoints=1",
+                   f"train.checkpoint_dir={ck}", f"train.run_dir={tmp_path / 'run'}",
+                   "train.allow_low_disk=true")
+  assert code == cli.IO_FAILURE, err
+  warning, error = err.strip().splitlines()
+  assert "No space left on device" in warning and "trying again" in warning
+  assert error.startswith("error: checkpoint: cannot write ") and "2 saves in a row" in error
+  good = checkpoint.latest(ck)
+  assert good is not None and sorted(p.name for p in ck.iterdir()) == [good.name]
+  # orbax's background threads reported the failure with tracebacks: in the log, not the terminal
+  assert "No space left on device" in (tmp_path / "run" / "train.log").read_text()
+
+
 def test_too_little_disk_is_refused_with_both_numbers_unless_accepted(tmp_path, main, monkeypatch):
   import collections
   import shutil
@@ -243,3 +274,210 @@ def test_export_is_atomic_verified_and_a_rerun_finishes_it(tmp_path, main, monke
   assert export_main("--checkpoint", ck, "--out", tmp_path / "c") == cli.BAD_INPUT
   assert len(capsys.readouterr().err.splitlines()) == 1
   assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "ck"]
+
+
+# ---- the fault soak: prepare -> train -> export, faults drawn at random ----------------------------
+
+SOAK_OVER = ["model.vocab_size=320", "data.source=prepared", "train.checkpoint_every=1",
+             "train.keep_checkpoints=2", "train.tensorboard=false"]
+# Each kind of fault and the commands it lands on (before or during them).
+KINDS = {"kill prepare": ("prepare",), "kill train": ("train",), "kill export": ("export",),
+         "full disk at a save": ("train",), "full disk for two saves": ("train",),
+         "full disk in the export": ("export",), "corrupted newest checkpoint": ("train", "export"),
+         "truncated token file": ("train",)}
+
+
+class Workflow:
+  """A user's workflow in one folder: prepare a corpus, train tiny with checkpoints, export; each
+  command re-run as a user would after it failed (prepare again when train says the data is bad,
+  train again when the export finds the checkpoint damaged). A command carrying a kill runs as a
+  subprocess (the real CLI, SIGKILLed); the others run in-process through the same `main`."""
+
+  def __init__(self, root: Path, tok: Path, corpus: Path, steps: int, rng, log):
+    self.root, self.tok, self.corpus, self.rng, self.log = root, tok, corpus, rng, log
+    self.prep, self.ck, self.out = root / "prep", root / "ck", root / "export"
+    self.train_args = ["--config", str(TINY), "--no-progress", "--quiet", *COMMON, *SOAK_OVER,
+                       f"data.path={self.prep}", f"train.steps={steps}",
+                       f"train.checkpoint_dir={self.ck}"]
+    self.env = {**__import__("os").environ,
+                "JAX_COMPILATION_CACHE_DIR": str(root.parent / "jax_cache"),
+                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+  def args(self, stage):
+    return {"prepare": ["prepare", "--tokenizer", str(self.tok), "--out", str(self.prep),
+                        "--val-fraction", "0", "--quiet", str(self.corpus)],
+            "train": self.train_args,
+            "export": ["--checkpoint", str(self.ck), "--out", str(self.out)]}[stage]
+
+  def in_process(self, stage) -> tuple[int, str]:
+    import contextlib
+    import io
+    import logging
+    from mtjax import export, train
+    from mtjax.data import __main__ as data_cli
+    fn = {"prepare": data_cli.main, "train": train.main, "export": export.main}[stage]
+    err = io.StringIO()
+    handlers = logging.getLogger("mtjax").handlers[:]
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+      try:
+        code = fn(self.args(stage)) or 0
+      except SystemExit as e:
+        code = e.code or 0
+    logging.getLogger("mtjax").handlers = handlers
+    return code, err.getvalue()
+
+  def killed(self, stage) -> tuple[bool, int | None, str]:
+    """Runs `stage` as the CLI and SIGKILLs it at a random moment: (killed, exit code, stderr);
+    not killed when it ended first."""
+    import subprocess
+    import sys
+    module = {"prepare": "mtjax.data", "train": "mtjax.train", "export": "mtjax.export"}[stage]
+    proc = subprocess.Popen([sys.executable, "-m", module, *self.args(stage)], env=self.env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if stage == "train" and self.rng.random() < 0.7:  # once training is under way
+      from mtjax import checkpoint
+      before, t = checkpoint.latest(self.ck), time.time()
+      while checkpoint.latest(self.ck) == before and proc.poll() is None and time.time() - t < 60:
+        time.sleep(0.02)
+      time.sleep(self.rng.uniform(0.0, 0.5))
+    else:  # anywhere, start-up included
+      time.sleep(self.rng.uniform(0.0, 5.0 if stage == "train" else 3.0))
+    if proc.poll() is not None:
+      return False, proc.returncode, proc.communicate()[1]
+    proc.kill()
+    proc.communicate()
+    return True, None, ""
+
+
+def corrupt_newest(ck: Path, rng) -> bool:
+  """Flips a byte in a random file of the newest checkpoint; False when there is none."""
+  from mtjax import checkpoint
+  newest = checkpoint.latest(ck)
+  if newest is None:
+    return False
+  files = sorted(f for f in newest.rglob("*") if f.is_file() and f.stat().st_size)
+  f = rng.choice(files)
+  data = bytearray(f.read_bytes())
+  i = rng.randrange(len(data))
+  data[i] ^= 0xFF
+  f.write_bytes(bytes(data))
+  return True
+
+
+def truncate_tokens(prep: Path, rng) -> bool:
+  tokens = prep / "train.bin"
+  if not tokens.exists() or tokens.stat().st_size < 4:
+    return False
+  with open(tokens, "r+b") as f:
+    f.truncate(rng.randrange(1, tokens.stat().st_size))
+  return True
+
+
+def soak(tmp_path, n_faults, kinds, monkeypatch, steps):
+  """Runs workflows until `n_faults` faults were injected and the last workflow finished; each
+  finished workflow's export must equal the uninterrupted one's bit for bit. Returns the tally."""
+  import collections
+  import errno
+  import random
+  from mtjax import hf
+  from test_chat import SENTENCES, make_tokenizer
+  rng = random.Random(1)
+  tok = make_tokenizer(tmp_path / "tok")
+  corpus = tmp_path / "corpus"
+  corpus.mkdir()
+  for i in range(12):
+    (corpus / f"doc{i:02d}.txt").write_text(" ".join(SENTENCES[(i + j) % len(SENTENCES)]
+                                                     for j in range(6)))
+  log = []
+  ref = Workflow(tmp_path / "reference", tok, corpus, steps, rng, log)
+  for stage in ("prepare", "train", "export"):
+    code, err = ref.in_process(stage)
+    assert code == 0, err
+  want = tree_bytes(ref.out)
+  tally = collections.Counter()
+  recovered = collections.Counter()
+  n, runs = 0, 0
+  while True:
+    runs += 1
+    w = Workflow(tmp_path / f"run{runs}", tok, corpus, steps, rng, log)
+    stage, failures = "prepare", 0
+    while stage != "done":
+      assert failures < 8, log[-8:]
+      kind = None
+      if n < n_faults and isinstance(kinds, list):  # a fixed sequence: the next one that fits
+        kind = next((k for k in kinds[n:n + 1] if stage in KINDS[k]), None)
+      elif n < n_faults:
+        kind = rng.choice([k for k in kinds if stage in KINDS[k]] or [None])
+      injected = False
+      if kind == "corrupted newest checkpoint":
+        injected = corrupt_newest(w.ck, rng)
+      elif kind == "truncated token file":
+        injected = truncate_tokens(w.prep, rng)
+      if kind is not None and kind.startswith("kill"):
+        injected, code, err = w.killed(stage)
+      else:
+        with monkeypatch.context() as m:
+          if kind in ("full disk at a save", "full disk for two saves"):
+            injected = full_disk_during_training(m, w.ck, rng, steps, two="two" in kind)
+          elif kind == "full disk in the export":
+            m.setattr(hf, "_write_safetensors", lambda *a: (_ for _ in ()).throw(
+                OSError(errno.ENOSPC, "No space left on device")))
+            injected = True
+          code, err = w.in_process(stage)
+      lines = err.strip().splitlines()
+      assert "Traceback" not in err and all(
+          ln.startswith(("error:", "refused:")) or " WARNING " in ln for ln in lines), err
+      if injected:
+        n += 1
+        tally[kind] += 1
+      log.append((runs, stage, kind if injected else None, code, err.strip()[-300:]))
+      if code == 0:
+        stage = {"prepare": "train", "train": "export", "export": "done"}[stage]
+        failures = 0
+        continue
+      failures += 1
+      if code is None:  # killed: the user runs the same command again
+        continue
+      assert code in (cli.BAD_INPUT, cli.IO_FAILURE), (code, err)
+      if stage == "train" and str(w.prep) in err:  # the data is bad: prepare it again
+        stage = "prepare"
+      elif stage == "export" and code == cli.BAD_INPUT:  # a damaged checkpoint: train again
+        stage = "train"
+    assert tree_bytes(w.out) == want, f"run {runs}: the export differs from the uninterrupted one"
+    recovered.update(k for r, _, k, _, _ in log if r == runs and k)
+    if n >= n_faults:
+      return tally, recovered, runs, log
+
+
+def full_disk_during_training(m, ck: Path, rng, steps: int, two: bool) -> bool:
+  """Makes the save of a step soon after the newest checkpoint (and, `two`, the next one too)
+  find the disk full; False when no such step is left to train."""
+  import errno
+  from mtjax import checkpoint
+  done = checkpoint.latest(ck)
+  first = (int(done.name.split("_")[1]) if done else 0) + 1 + rng.randrange(3)
+  bad = {first, first + 1} if two else {first}
+  real = checkpoint._write
+
+  def write(store, tmp, *a):
+    if store.step in bad:
+      raise OSError(errno.ENOSPC, "No space left on device")
+    return real(store, tmp, *a)
+  m.setattr(checkpoint, "_write", write)
+  return max(bad) <= steps
+
+
+@pytest.mark.parametrize("n_faults", [3, pytest.param(60, marks=pytest.mark.soak)])
+def test_faults_over_the_workflow_lose_nothing(tmp_path, monkeypatch, n_faults, capsys):
+  # The main suite's few: one of each kind that costs a re-run of train, in order; the soak draws.
+  kinds = (["kill train", "full disk for two saves", "corrupted newest checkpoint"]
+           if n_faults <= 3 else tuple(KINDS))
+  t = time.time()
+  tally, recovered, runs, log = soak(tmp_path, n_faults, kinds, monkeypatch, steps=8)
+  with capsys.disabled():
+    print(f"\nfault soak: {sum(tally.values())} faults injected over {runs} workflow(s) in "
+          f"{time.time() - t:.0f} s; by kind: {dict(tally)}; recovered (the workflow finished, "
+          f"its export equal to the uninterrupted run's bit for bit): {sum(recovered.values())}; "
+          f"commands run: {len(log)}; lost: nothing")
+  assert sum(tally.values()) >= n_faults and recovered == tally
