@@ -5,7 +5,9 @@ Layout: DIR/step_<n>/<group name>/ (one orbax checkpoint per layer group, so sav
 hold at most one extra group in memory, never a second copy of the model) and DIR/step_<n>/meta.json.
 A step is written under a temporary name and made visible by one rename once complete, and a
 committed step is never rewritten; `restore_latest` takes the newest step that restores and says
-which ones it skipped and why.
+which ones it skipped and why. Every array's xxh3-64 hash is kept in meta.json and checked on
+restore, so a corrupted checkpoint is found and an older one used. A save that fails (a full disk,
+permissions, a vanished folder) raises SaveFailed and leaves nothing behind but the committed steps.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import xxhash
 
 from mtjax import config as config_lib, hf
 from mtjax.store import LayerStore
@@ -28,6 +31,10 @@ _STEP_DIR = re.compile(r"step_(\d+)$")
 
 class CheckpointMismatch(ValueError):
   """A checkpoint of another model (other layer groups or parameter shapes): never skipped over."""
+
+
+class SaveFailed(OSError):
+  """A checkpoint could not be written; its partial folder is gone and the state is untouched."""
 
 
 def _layout_record(store: LayerStore) -> list:
@@ -76,11 +83,13 @@ def check_model(directory: str | Path, model: dict) -> None:
     return
 
 
+CHECKSUM = "xxh3_64"  # meta.json's key for the arrays' hashes (older checkpoints: none checked)
+
+
 def checksum(a: np.ndarray) -> int:
-  """A fast whole-array checksum: the sum of its 32-bit words mod 2^64 (a changed word changes it,
-  at memory speed where crc32 would cost minutes on a 10B-parameter state)."""
-  words = np.ascontiguousarray(a).reshape(-1).view(np.uint32)
-  return int(np.add.reduce(words, dtype=np.uint64))
+  """The array's bytes hashed with xxh3-64: any changed, swapped or zeroed run of bytes changes
+  it, at memory speed (several GB/s), so a 10B-parameter state is checked in seconds."""
+  return xxhash.xxh3_64_intdigest(memoryview(np.ascontiguousarray(a)).cast("B"))
 
 
 SOURCE_DIR = "hf_source"  # a step's copy of its Hugging Face source's config and tokenizer files
@@ -96,11 +105,54 @@ def save(store: LayerStore, directory: str | Path, extra: dict | None = None,
   final = directory / f"step_{store.step}"
   if (final / "meta.json").exists():
     return final
-  if final.exists():  # left by a kill inside prune's delete: incomplete, never a committed step
-    shutil.rmtree(final)
   tmp = directory / f".step_{store.step}.tmp-{os.getpid()}"
-  shutil.rmtree(tmp, ignore_errors=True)
-  tmp.mkdir(parents=True)
+  try:
+    if final.exists():  # left by a kill inside prune's delete: incomplete, never a committed step
+      shutil.rmtree(final)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()  # not parents: a checkpoint_dir that vanished is a failure, not a new folder
+    _write(store, tmp, extra, source)
+    os.replace(tmp, final)
+  except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many types for one cause
+    shutil.rmtree(tmp, ignore_errors=True)
+    failed = SaveFailed(f"cannot write {final.name} in {directory} ({reason(e)})")
+    failed.errno = _errno(e)
+    raise failed from e
+  except BaseException:  # a second signal abandons the save: no partial folder stays
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  return final
+
+
+def reason(e: BaseException) -> str:
+  """An exception as a short clause: the OS's words where an OS error lies behind it (tensorstore
+  reports one inside its message), else its first line."""
+  if isinstance(e, OSError) and e.strerror:
+    return e.strerror + (f": {e.filename}" if e.filename else "")
+  if (n := _errno(e)) is not None:
+    return os.strerror(n)
+  cause = e.__cause__ or e.__context__
+  if not str(e).strip() and cause is not None:
+    return reason(cause)
+  return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+
+
+_OS_ERROR_CODE = re.compile(r"os_error_code='(\d+)'")  # how tensorstore names the errno
+
+
+def _errno(e: BaseException | None) -> int | None:
+  """The OS error number behind `e` (orbax and tensorstore wrap it), or None."""
+  while e is not None:
+    if isinstance(e, OSError) and e.errno:
+      return e.errno
+    if m := _OS_ERROR_CODE.search(str(e)):
+      return int(m.group(1))
+    e = e.__cause__ or e.__context__
+  return None
+
+
+def _write(store: LayerStore, tmp: Path, extra: dict | None, source: str | Path | None):
+  """The body of `save`: every group into `tmp`, then meta.json last (it marks the step whole)."""
   ckptr = ocp.StandardCheckpointer()
   sums = {}
   try:
@@ -117,11 +169,11 @@ def save(store: LayerStore, directory: str | Path, extra: dict | None = None,
     ckptr.close()
   if source is not None:
     hf.copy_source_files(source, tmp / SOURCE_DIR)
-  (tmp / "meta.json").write_text(json.dumps({
-      "step": store.step, "groups": _layout_record(store), "checksums": sums,
-      "extra": extra or {}}))
-  os.replace(tmp, final)
-  return final
+  with open(tmp / "meta.json", "w") as f:
+    f.write(json.dumps({"step": store.step, "groups": _layout_record(store), CHECKSUM: sums,
+                        "extra": extra or {}}))
+    f.flush()
+    os.fsync(f.fileno())  # written through before the rename makes the step visible
 
 
 def steps(directory: str | Path) -> list[Path]:
@@ -185,7 +237,7 @@ def restore(store: LayerStore, path: str | Path) -> dict:
     w = np.asarray(tree["w"], np.float32)
     if w.shape != (g.size,) or any(a.shape != b.shape for a, b in zip(got, leaves)):
       raise ValueError(f"checkpoint {path}: group {g.name} has arrays of the wrong shape")
-    want_sums = meta.get("checksums", {}).get(g.name)
+    want_sums = meta.get(CHECKSUM, {}).get(g.name)
     if want_sums is not None and [checksum(a) for a in [w, *got]] != want_sums:
       raise ValueError(f"checkpoint {path}: group {g.name} does not match its checksum (corrupted)")
     if not all(np.all(np.isfinite(a)) for a in [w, *got]):
@@ -205,7 +257,7 @@ def restore_latest(store: LayerStore, directory: str | Path) -> tuple[Path | Non
       extra = restore(store, path)
     except CheckpointMismatch:
       raise
-    except ValueError as e:
+    except (ValueError, KeyError, TypeError, OSError) as e:  # damaged, or meta.json malformed
       # Kept, under a name that no longer counts as a step: a later save of the same step or the
       # pruning of old ones must not treat it as the newest good checkpoint.
       kept = path.with_name(f".damaged-{path.name}")
@@ -217,6 +269,25 @@ def restore_latest(store: LayerStore, directory: str | Path) -> tuple[Path | Non
   if skipped:  # the state may hold part of a damaged checkpoint: never train on from it
     raise ValueError(f"checkpoint_dir {directory}: no checkpoint restores ({'; '.join(skipped)})")
   return None, {}, skipped
+
+
+def read_weights(path: str | Path, name: str, want_sum: int | None = None) -> np.ndarray:
+  """One group's fp32 weights from the checkpoint at `path`, checked against its recorded hash
+  (`want_sum`, from meta.json); a group that does not restore or match raises ValueError."""
+  try:
+    w = np.asarray(ocp.StandardCheckpointer().restore(Path(path).absolute() / name)["w"],
+                   np.float32)
+  except Exception as e:  # noqa: BLE001 - orbax's many error types, reworded at the boundary
+    raise ValueError(f"checkpoint {path}: group {name} does not restore ({reason(e)})") from None
+  if want_sum is not None and checksum(w) != want_sum:
+    raise ValueError(f"checkpoint {path}: group {name} does not match its checksum (corrupted)")
+  return w
+
+
+def stored_bytes(directory: str | Path) -> int:
+  """Bytes of the committed checkpoints under `directory` (what pruning will free as new ones
+  are written)."""
+  return sum(f.stat().st_size for p in steps(directory) for f in p.rglob("*") if f.is_file())
 
 
 def prune(directory: str | Path, keep: int) -> list[Path]:

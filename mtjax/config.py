@@ -333,6 +333,7 @@ class TrainConfig:
   resume: bool = True  # continue from the newest checkpoint in checkpoint_dir, if there is one
   keep_checkpoints: int = 3  # committed checkpoints kept in checkpoint_dir, newest first; 0 keeps all
   overwrite: bool = False  # start afresh in a checkpoint_dir that holds another run's checkpoints (deletes them)
+  allow_low_disk: bool = False  # start even when the free disk space is below what the checkpoints and export need (the plan's disk lines)
   max_skipped_steps: int = 5  # stop after this many steps in a row with a non-finite loss or gradient
   eval_every: int = 0  # steps between held-out evaluations on the prepared data's val split; 0: none
   eval_batches: int = 16  # at most this many held-out batches per evaluation

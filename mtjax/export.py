@@ -1,25 +1,72 @@
 """`python -m mtjax.export --checkpoint DIR/step_N --out OUT`: a training checkpoint as a Hugging Face
 model directory (config.json, sharded safetensors with index, tokenizer files when the run was
 imported from one), streamed one layer group at a time.
+
+The export is written beside OUT under a hidden name, verified (every tensor read back with the
+shape the model needs, finite) and renamed into place: OUT is complete or absent, and running the
+command again after a kill or a full disk finishes the job (leftovers of the attempt are removed).
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
-import orbax.checkpoint as ocp
 
-from mtjax import checkpoint, config as config_lib, hf
+from mtjax import checkpoint, cli, config as config_lib, hf, models
 
 
-def checkpoint_groups(path: Path, names: list[str]):
-  """(name, fp32 weights) of each group of a checkpoint, read one group at a time."""
-  ckptr = ocp.StandardCheckpointer()
+def checkpoint_groups(path: Path, names: list[str], sums: dict | None = None):
+  """(name, fp32 weights) of each group of a checkpoint, read one group at a time and checked
+  against its recorded hash (`sums`, meta.json's per group: weights first)."""
   for name in names:
-    yield name, np.asarray(ckptr.restore(path / name)["w"], np.float32)
+    want = (sums or {}).get(name)
+    yield name, checkpoint.read_weights(path, name, want[0] if want else None)
+
+
+def staging_dir(out: Path) -> Path:
+  """Where an export to `out` is written and verified before its rename (beside it, hidden)."""
+  return out.parent / f".{out.name}.partial"
+
+
+def clear_leftovers(out: Path) -> None:
+  """Removes what a killed or failed export to `out` left beside it."""
+  for p in (staging_dir(out), *out.parent.glob(f".{out.name}.tmp-*"),
+            *out.parent.glob(f".{staging_dir(out).name}.tmp-*")):
+    shutil.rmtree(p, ignore_errors=True)
+
+
+def verify(directory: Path, model: config_lib.ModelConfig) -> None:
+  """Raises ValueError unless `directory` holds every tensor the model needs, each readable to its
+  last byte with the expected shape and finite values."""
+  ck = hf.Checkpoint(directory)
+  ck.check(models.spec(model))
+  for name in ck.entries:
+    if not np.all(np.isfinite(np.asarray(ck.raw(name), np.float32))):
+      raise ValueError(f"export {directory}: tensor {name} holds non-finite values")
+
+
+def export_verified(out: str | Path, model: config_lib.ModelConfig, groups, dtype: str,
+                    source: str | Path | None) -> Path:
+  """`hf.export` written beside `out`, verified, then renamed to `out` (complete or absent)."""
+  out = Path(out).absolute()
+  if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    raise ValueError(f"--out: {out} exists and is not an empty folder")
+  clear_leftovers(out)
+  staging = staging_dir(out)
+  try:
+    hf.export(staging, model, groups, dtype, source)
+    verify(staging, model)
+    if out.exists():
+      out.rmdir()  # checked empty above; a rename onto a folder needs it gone
+    staging.rename(out)
+  except BaseException:
+    shutil.rmtree(staging, ignore_errors=True)
+    raise
+  return out
 
 
 def source_of(path: Path, from_hf: str | None, source: str | Path | None = None) -> Path | None:
@@ -54,7 +101,8 @@ def export_checkpoint(path: str | Path, out: str | Path, dtype: str = "bfloat16"
   cfg = config_lib.from_dict(raw)
   names = [g[0] for g in meta["groups"]]
   src = source_of(path, cfg.model.from_hf, source)
-  return hf.export(out, cfg.model, checkpoint_groups(path, names), dtype, src)
+  groups = checkpoint_groups(path, names, meta.get(checkpoint.CHECKSUM))
+  return export_verified(out, cfg.model, groups, dtype, src)
 
 
 def main(argv=None) -> int:
@@ -72,11 +120,17 @@ def main(argv=None) -> int:
     path = checkpoint.latest(path) or path
   try:
     out = export_checkpoint(path, args.out, args.dtype, args.source)
-  except (ValueError, OSError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  except ValueError as e:
+    print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+    return cli.BAD_INPUT
+  except OSError as e:
+    print(f"error: {checkpoint.reason(e)}", file=sys.stderr)
+    return cli.exit_code_of_os_error(e)
+  except Exception as e:  # noqa: BLE001 - a bug: one line, not a traceback
+    print(f"internal error: {type(e).__name__}: {' '.join(str(e).split())[:300]}", file=sys.stderr)
+    return cli.FAILED
   print(f"exported {path} -> {out}")
-  return 0
+  return cli.OK
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import resource
+import shutil
 import signal
 import statistics
 import sys
@@ -19,7 +20,7 @@ import jax
 from tqdm.auto import tqdm
 
 from mtjax import cli, config as config_lib
-from mtjax import checkpoint, data, hf, models, plan as plan_lib, runlog
+from mtjax import checkpoint, data, export, hf, models, plan as plan_lib, runlog
 from mtjax import store as store_lib
 from mtjax.engine import Engine
 from mtjax.optimizer import HostUpdateError
@@ -67,6 +68,127 @@ class Abandoned(Exception):
 
 class TooManySkipped(Exception):
   """train.max_skipped_steps steps in a row had a non-finite loss or gradient."""
+
+
+class Saves:
+  """The run's checkpoint saves: a save that fails (a full disk, permissions, a vanished folder)
+  leaves the state as it was and warns once, naming the folder, the reason and the last good
+  checkpoint; the next interval tries again. A second failure in a row, or a failed final save,
+  raises SaveFailed (exit code cli.IO_FAILURE)."""
+
+  def __init__(self, directory: str, keep: int):
+    self.directory, self.keep = directory, keep
+    self.failed = 0  # failures in a row
+
+  def __call__(self, store, meta: dict, source: str | None, final: bool = False) -> Path | None:
+    """Saves step `store.step` (and prunes to `keep`); returns its path, or None when it failed
+    and the run may go on."""
+    try:
+      path = checkpoint.save(store, self.directory, meta, source=source)
+    except checkpoint.SaveFailed as e:
+      self.failed += 1
+      last = checkpoint.latest(self.directory)
+      line = f"checkpoint: {e}; last good checkpoint: {last or 'none'}"
+      if final or self.failed > 1:
+        why = "the final save failed" if final else f"{self.failed} saves in a row failed"
+        raise checkpoint.SaveFailed(f"{line} ({why}; free space or fix the folder, then run "
+                                    f"again to resume)") from None
+      log.warning("%s; trying again at the next checkpoint", line)
+      return None
+    self.failed = 0
+    checkpoint.prune(self.directory, self.keep)
+    return path
+
+
+LOG_FILE = "train.log"  # in the run folder: library threads' errors and tracebacks, warnings
+
+
+class _ThreadStderr:
+  """sys.stderr for the run: the main thread's writes (mtjax's messages, the progress bar) reach
+  the terminal, other threads' (tracebacks that tensorstore's callback threads print directly)
+  go to the log file."""
+
+  def __init__(self, terminal, log_file):
+    self._terminal, self._log = terminal, log_file
+
+  def write(self, text):
+    if threading.current_thread() is threading.main_thread():
+      return self._terminal.write(text)
+    self._log.write(text)
+    self._log.flush()
+    return len(text)
+
+  def flush(self):
+    self._terminal.flush()
+
+  def __getattr__(self, name):  # isatty, fileno, encoding: the terminal's
+    return getattr(self._terminal, name)
+
+
+class _LibraryLogs:
+  """Sends what libraries log (orbax's background threads log their tracebacks through absl),
+  uncaught exceptions of threads and whatever other threads print to stderr to the run folder's
+  log file, never to the terminal; mtjax's own one-line messages still reach stderr."""
+
+  def __init__(self, folder: Path):
+    self.path = Path(folder) / LOG_FILE
+
+  def __enter__(self):
+    root = logging.getLogger()
+    self._old = root.handlers[:], root.level, threading.excepthook
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    self.handler = logging.FileHandler(self.path, encoding="utf-8")
+    self.handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.handlers = [self.handler]
+    root.setLevel(logging.WARNING)
+    self._stderr = sys.stderr
+    sys.stderr = _ThreadStderr(sys.stderr, self.handler.stream)
+    threading.excepthook = lambda a: logging.getLogger("thread").error(
+        "uncaught in thread %s", a.thread.name if a.thread else "?",
+        exc_info=(a.exc_type, a.exc_value, a.exc_traceback))
+    return self
+
+  def __exit__(self, *exc):
+    root = logging.getLogger()
+    root.handlers, level, threading.excepthook = self._old
+    root.setLevel(level)
+    sys.stderr = self._stderr
+    self.handler.close()
+
+
+def check_disk(cfg: config_lib.Config, plan) -> None:
+  """Refuses (PlanError) a run whose checkpoints (keep-K plus the one being written) and export do
+  not fit in the free space of their folders, unless train.allow_low_disk accepts the risk.
+  Committed checkpoints already there count as space the run will reuse (pruning frees them)."""
+  tc = cfg.train
+  if tc.allow_low_disk:
+    return
+  need: dict[Path, list] = {}
+
+  def add(path, n, what):
+    folder = Path(path).absolute()
+    while not folder.exists():  # the nearest existing folder holds its file system
+      folder = folder.parent
+    dev = folder.stat().st_dev
+    entry = next((v for v in need.values() if v[0] == dev), None) or need.setdefault(
+        folder, [dev, 0, [], folder])
+    entry[1] += n
+    entry[2].append(what)
+
+  disk = plan.disk
+  if tc.checkpoint_dir and disk.get("checkpoints kept"):
+    n = max(0, disk["checkpoints kept"] - checkpoint.stored_bytes(tc.checkpoint_dir))
+    add(tc.checkpoint_dir, n, f"checkpoints {plan_lib.human_bytes(disk['checkpoints kept'])} "
+                              f"({plan_lib.human_bytes(disk['one checkpoint'])} each)")
+  if tc.export_dir and disk.get("export"):
+    add(Path(tc.export_dir).absolute().parent, disk["export"], f"export {plan_lib.human_bytes(disk['export'])}")
+  for dev, n, what, folder in need.values():
+    free = shutil.disk_usage(folder).free
+    if n > free:
+      raise plan_lib.PlanError(
+          f"not enough disk space: {folder} has {plan_lib.human_bytes(free)} free, the run needs {plan_lib.human_bytes(n)} more "
+          f"({', '.join(what)}); free space, lower train.keep_checkpoints, use another folder or "
+          f"set train.allow_low_disk=true to accept the risk")
 
 
 class _Signals:
@@ -149,6 +271,7 @@ def _run(cfg: config_lib.Config, progress: bool, on_plan, json_path: str | None,
                          f"(hosts); leave it unset")
   if on_plan is not None:
     on_plan(plan)
+  check_disk(cfg, plan)
   tc = cfg.train
   src = data.source(cfg.data, tc.batch, tc.seq, cfg.model.vocab_size, tc.seed)  # checks the files
   if tc.eval_every:  # the held-out split is checked now, not at the first evaluation
@@ -160,6 +283,14 @@ def _run(cfg: config_lib.Config, progress: bool, on_plan, json_path: str | None,
                        ) from None
   if cfg.model.from_hf:
     hf.Checkpoint(cfg.model.from_hf).check(models.spec(cfg.model))
+  folder = run_folder(cfg)
+  with _LibraryLogs(folder):
+    return _train(cfg, plan, src, folder, progress, signals)
+
+
+def _train(cfg: config_lib.Config, plan, src, folder: Path, progress: bool, signals) -> dict:
+  """The body of `_run` once every input is checked: allocate, restore, train, save, export."""
+  tc = cfg.train
   device = jax.local_devices()[0]
   init_key = jax.random.key(tc.seed)  # the only key: data is seeded from train.seed by step
   t0 = time.perf_counter()
@@ -173,7 +304,6 @@ def _run(cfg: config_lib.Config, progress: bool, on_plan, json_path: str | None,
   if resumed is None and cfg.model.from_hf:
     hf.load_into(store, cfg.model.from_hf)
   engine = Engine(cfg, store)
-  folder = run_folder(cfg)
   metrics = runlog.RunLog(folder, config_lib.to_dict(cfg), plan_lib.format_plan(plan),
                           start_step=store.step + 1 if resumed else 0,  # steps are 1-based
                           trackers=tuple(t for t in tc.trackers
@@ -183,11 +313,11 @@ def _run(cfg: config_lib.Config, progress: bool, on_plan, json_path: str | None,
   def meta():  # kept with every checkpoint: export reads the config, a resume the data position
     return {"config": config_lib.to_dict(cfg), "data_position": src.position(store.step)}
 
-  def save():
+  saves = Saves(tc.checkpoint_dir, tc.keep_checkpoints)
+
+  def save(final=False):
     engine.sync()
-    path = checkpoint.save(store, tc.checkpoint_dir, meta(), source=cfg.model.from_hf)
-    checkpoint.prune(tc.checkpoint_dir, tc.keep_checkpoints)
-    return path
+    return saves(store, meta(), cfg.model.from_hf, final) or saved
 
   def held_out():
     it = data.validation_batches(cfg.data, tc.batch, tc.seq, cfg.model.vocab_size)
@@ -254,10 +384,10 @@ def _run(cfg: config_lib.Config, progress: bool, on_plan, json_path: str | None,
       if tc.checkpoint_dir and tc.checkpoint_every and store.step % tc.checkpoint_every == 0:
         saved = save()
     if tc.checkpoint_dir and losses and (saved is None or saved.name != f"step_{store.step}"):
-      saved = save()
+      saved = save(final=True)
     engine.sync()
     if tc.export_dir and losses and stop is None:
-      hf.export_store(store, tc.export_dir, tc.export_dtype, cfg.model.from_hf)
+      export_at_end(store, tc, cfg.model.from_hf, saved)
   except Abandoned as e:
     last = checkpoint.latest(tc.checkpoint_dir) if tc.checkpoint_dir else None
     raise Abandoned(f"abandoned by a second {e} during step {store.step + 1}; last checkpoint: "
@@ -329,6 +459,22 @@ def _run(cfg: config_lib.Config, progress: bool, on_plan, json_path: str | None,
   }
 
 
+def export_at_end(store, tc: config_lib.TrainConfig, source: str | None, saved: Path | None):
+  """The end-of-run export to train.export_dir; a write that fails says what is safe (the
+  checkpoint) and how to export it again."""
+  try:
+    groups = ((g.name, store.read(i)["w"]) for i, g in enumerate(store.groups))
+    export.export_verified(tc.export_dir, store.model_cfg, groups, tc.export_dtype, source)
+  except OSError as e:
+    again = (f"the checkpoint {saved} is saved: export it with python -m mtjax.export "
+             f"--checkpoint {saved} --out {tc.export_dir}" if saved else "nothing was saved "
+             "(no train.checkpoint_dir)")
+    failed = OSError(f"train.export_dir: cannot write {tc.export_dir} "
+                     f"({checkpoint.reason(e)}); {again}")
+    failed.errno = e.errno
+    raise failed from None
+
+
 def json_safe(x):
   """The summary with non-finite numbers as null, so the file is valid JSON."""
   if isinstance(x, float) and not math.isfinite(x):
@@ -372,6 +518,19 @@ def format_summary(s: dict) -> str:
   return "\n".join(f"{k:<11}{v}" for k, v in rows)
 
 
+def internal_error_log(cfg: config_lib.Config, e: BaseException) -> Path:
+  """Appends the traceback of an unexpected error to the run folder's log file; returns its path."""
+  import traceback  # noqa: PLC0415
+  path = run_folder(cfg) / LOG_FILE
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+      f.write("".join(traceback.format_exception(e)))
+  except OSError:
+    path = Path(os.devnull)
+  return path
+
+
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(prog="python -m mtjax.train", description=__doc__)
   p.add_argument("--json", help="also write the summary as JSON to this path")
@@ -404,22 +563,32 @@ def main(argv: list[str] | None = None) -> int:
                   json_path=args.json)
   except plan_lib.PlanError as e:
     print(f"refused: {e}", file=sys.stderr)
-    return 2
+    return cli.BAD_INPUT
   except (Stopped, Abandoned) as e:
     print(f"{e}", file=sys.stderr)
-    return 128 + (signal.SIGTERM if "SIGTERM" in str(e) else signal.SIGINT)
+    return cli.INTERRUPTED + (signal.SIGTERM if "SIGTERM" in str(e) else signal.SIGINT)
   except TooManySkipped as e:
     print(f"error: {e}", file=sys.stderr)
-    return 3
+    return cli.DIVERGED
   except HostUpdateError as e:
     print(f"error: {e}", file=sys.stderr)
-    return 1
+    return cli.FAILED
+  except checkpoint.SaveFailed as e:
+    print(f"error: {e}", file=sys.stderr)
+    return cli.IO_FAILURE
   except (ValueError, OSError, KeyError) as e:  # bad input: data, checkpoint, paths, HF files
     if args.debug:
       raise
     msg = " ".join(str(e).split()) or type(e).__name__
     print(f"error: {msg}", file=sys.stderr)
-    return 2
+    return cli.exit_code_of_os_error(e) if isinstance(e, OSError) else cli.BAD_INPUT
+  except Exception as e:  # noqa: BLE001 - a bug: one line here, the traceback in the log file
+    if args.debug:
+      raise
+    where = internal_error_log(cfg, e)
+    print(f"internal error: {type(e).__name__}: {' '.join(str(e).split())[:300]} (traceback in "
+          f"{where}; --debug shows it here)", file=sys.stderr)
+    return cli.FAILED
   if not args.quiet:
     print(format_summary(summary))
   if args.json:

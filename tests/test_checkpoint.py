@@ -137,3 +137,57 @@ def test_a_corrupted_group_is_caught_by_its_checksum(tmp_path):
   _os.replace(bad_again, tmp_path / "step_1")
   with pytest.raises(ValueError, match="no checkpoint restores"):
     checkpoint.restore_latest(fresh, tmp_path)
+
+
+def test_the_hash_catches_what_a_sum_of_words_misses():
+  # Two words swapped, or a value moved between words, keep a sum of the words; the hash changes.
+  a = np.arange(1, 1001, dtype=np.float32)
+  swapped = a.copy()
+  swapped[[3, 700]] = swapped[[700, 3]]
+  words = a.view(np.uint32).copy()
+  moved = words.copy()
+  moved[0] += 1
+  moved[1] -= 1
+  assert words.sum(dtype=np.uint64) == moved.sum(dtype=np.uint64)
+  assert len({checkpoint.checksum(x) for x in (a, swapped, moved.view(np.float32))}) == 3
+  assert checkpoint.checksum(a) == checkpoint.checksum(a.copy())  # a function of the bytes only
+
+
+def _enospc_on(group_index):
+  """A StandardCheckpointer.save that writes the first groups, then finds the disk full."""
+  import errno
+  import orbax.checkpoint as ocp
+  real, calls = ocp.StandardCheckpointer.save, []
+
+  def save(self, path, *a, **k):
+    calls.append(path)
+    if len(calls) > group_index:
+      Path(path).mkdir(parents=True, exist_ok=True)
+      (Path(path) / "partial").write_bytes(b"x" * 100)  # what a full disk leaves: part of a file
+      raise OSError(errno.ENOSPC, "No space left on device")
+    return real(self, path, *a, **k)
+  return save
+
+
+def test_a_failed_save_leaves_nothing_behind_and_the_state_untouched(tmp_path, monkeypatch):
+  import orbax.checkpoint as ocp
+  _, st = new()
+  good = checkpoint.save(st, tmp_path)
+  before = (jax.tree.map(np.copy, st.to_tree()), jax.tree.map(np.copy, st.opt_trees()))
+  st.step = 1
+  monkeypatch.setattr(ocp.StandardCheckpointer, "save", _enospc_on(1))
+  with pytest.raises(checkpoint.SaveFailed) as e:
+    checkpoint.save(st, tmp_path)
+  assert e.value.errno == 28 and "\n" not in str(e.value)
+  assert str(e.value) == f"cannot write step_1 in {tmp_path} (No space left on device)"
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0"]  # no partial folder
+  chex.assert_trees_all_equal((st.to_tree(), st.opt_trees()), before)
+  monkeypatch.undo()
+  assert checkpoint.save(st, tmp_path).name == "step_1"  # the retry writes it whole
+  assert checkpoint.steps(tmp_path) == [tmp_path / "step_1", good]
+  # A checkpoint_dir that vanished is a failed save, never a folder silently made again.
+  shutil.rmtree(tmp_path)
+  st.step = 2
+  with pytest.raises(checkpoint.SaveFailed, match="No such file or directory"):
+    checkpoint.save(st, tmp_path)
+  assert not tmp_path.exists()

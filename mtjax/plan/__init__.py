@@ -13,7 +13,8 @@ anything; library users call it before anything touches jax (examples/custom_loo
 
 from mtjax.plan.machine import Machine
 from mtjax.plan.memory import (DEVICE_TIER_HOST_SHARE, GiB, RUNTIME_HOST_BYTES,
-                               SAVED_INPUT_ROUNDING, hf_staging_bytes, pinned_pool_bytes)
+                               SAVED_INPUT_ROUNDING, hf_staging_bytes, human_bytes,
+                               pinned_pool_bytes)
 from mtjax.plan.probe import (DEVICE_MEMORY_FRACTION, backend_started, compiled_memory,
                               configure_pinned_pool, device_memory_limit, host_memory_limit,
                               prepare, probe_device_count, probe_device_memory)
@@ -46,6 +47,6 @@ __all__ = ["ACTIVATIONS_EVERY", "DEVICE_MEMORY_FRACTION", "DEVICE_SPARE", "DEVIC
            "HOST_SPARE", "Layer", "Machine", "Plan", "PlanError", "RUNTIME_HOST_BYTES", "Rates",
            "SAVED_INPUT_ROUNDING", "backend_started", "check", "compiled_memory",
            "configure_pinned_pool", "device_memory_limit", "devices_of", "flops", "format_plan",
-           "hf_staging_bytes", "host_memory_limit", "main", "make", "param_counts",
+           "hf_staging_bytes", "host_memory_limit", "human_bytes", "main", "make", "param_counts",
            "pinned_pool_bytes", "plan_summary", "prepare", "probe_device_count",
            "probe_device_memory", "refuse_by_size", "simulate"]

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from mtjax import cli, config as config_lib
-from mtjax.plan.memory import GiB
+from mtjax.plan.memory import GiB, human_bytes
 from mtjax.plan.machine import Machine
 from mtjax.plan.probe import host_memory_limit, prepare, probe_device_memory
 from mtjax.plan.schedule import Rates
@@ -49,6 +49,12 @@ def format_plan(plan: Plan) -> str:
                if plan.activations_on_host else "") + ")",
             "device bytes of the layer executables: " + ("from XLA's analysis of the compiled code"
                                                          if plan.compiled else "estimated")]
+  if plan.disk:
+    d = plan.disk
+    lines.append(f"disk: one checkpoint {human_bytes(d['one checkpoint'])}; "
+                 f"{d['checkpoints at once']} on disk at once {human_bytes(d['checkpoints kept'])} "
+                 f"(train.keep_checkpoints plus the one being written); export "
+                 f"{human_bytes(d['export'])}")
   if plan.runner_up is not None:
     n_dev, n_str, t = plan.runner_up
     lines.append(f"runner-up placement: {n_dev} groups in device memory, {n_str} streamed: "
@@ -64,26 +70,22 @@ def main(argv=None) -> int:
                  help="plan without starting the accelerator (device bytes estimated, no device limit)")
   p.add_argument("--json", help="also write the plan's figures (bytes, seconds) to this path")
   args, cfg = cli.parse_cli(p, argv)
-  if args.machine:
-    try:
+  try:
+    if args.machine:
       plan = Machine.load(args.machine).plan(cfg)
-    except config_lib.ConfigError as e:
-      print(f"error: {e}", file=sys.stderr)
-      return 2
-    except PlanError as e:
-      print(f"refused: {e}", file=sys.stderr)
-      return 1
-  elif args.no_device:
-    plan = make(cfg, host_limit=host_memory_limit(),
-                rates=Rates(accelerator=probe_device_memory() is not None))
-  else:
-    try:
+    elif args.no_device:
+      plan = make(cfg, host_limit=host_memory_limit(),
+                  rates=Rates(accelerator=probe_device_memory() is not None))
+    else:
       _, plan = prepare(cfg)
-    except PlanError as e:
-      print(f"refused: {e}", file=sys.stderr)
-      if args.json:
-        Path(args.json).write_text(json.dumps({"refused": str(e)}))
-      return 1
+  except config_lib.ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  except PlanError as e:  # does not fit: an answer, not an error in the input (exit 1, as unfit)
+    print(f"refused: {e}", file=sys.stderr)
+    if args.json:
+      Path(args.json).write_text(json.dumps({"refused": str(e)}))
+    return 1
   print(format_plan(plan))
   if not (plan.fits_host and plan.fits_device):
     try:
@@ -112,7 +114,8 @@ def plan_summary(plan: Plan) -> dict:
               "schedule_s": finite(plan.runner_up[2])},
           "tiers": list(plan.tiers),
           "activations_every": plan.activations_every,
-          "activations_on_host": plan.activations_on_host, "compiled": plan.compiled}
+          "activations_on_host": plan.activations_on_host, "compiled": plan.compiled,
+          "disk": plan.disk}
 
 
 if __name__ == "__main__":

@@ -8,6 +8,11 @@ import math
 from mtjax import config as config_lib
 from mtjax.plan.schedule import param_counts
 
+def human_bytes(n: int) -> str:
+  """Bytes as a short figure: GiB from 1 GiB up, else MiB."""
+  return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
+
+
 GiB = 2**30
 
 

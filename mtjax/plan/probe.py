@@ -11,7 +11,7 @@ import subprocess
 from mtjax import config as config_lib, models
 from mtjax.plan.memory import GiB
 from mtjax.plan.schedule import Rates
-from mtjax.plan.search import Plan, PlanError, check, devices_of, make
+from mtjax.plan.search import Plan, PlanError, check, devices_of, make, refuse_by_size
 from mtjax.plan.memory import pinned_pool_bytes
 
 def host_memory_limit() -> int:
@@ -86,6 +86,10 @@ def prepare(cfg: config_lib.Config, host_limit: int | None = None
     configure_pinned_pool(first.pinned)
   device = jax.local_devices()[0]
   accel = device.platform != "cpu"
+  # Byte arithmetic first: laying out an absurd model (millions of layers) costs seconds per
+  # million before any figure is known.
+  refuse_by_size(_with_devices(cfg, devices_of(cfg, len(jax.local_devices()))), host_limit,
+                 device_memory_limit(device) if accel else None)
   n = devices_of(cfg, len(jax.local_devices()))
   if n > len(jax.local_devices()):
     raise PlanError(f"engine.devices: {n} requested, this process sees {len(jax.local_devices())}")

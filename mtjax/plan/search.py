@@ -39,6 +39,7 @@ class Plan:
   runner_up: tuple | None = None  # (device, stream groups, simulated step s) of the next-best placement
   family: str = "llama"  # the model family (mtjax.models)
   active_params: int | None = None  # parameters a token uses (a mixture's chosen experts)
+  disk: dict[str, int] = dataclasses.field(default_factory=dict)  # bytes on disk (`disk_bytes`)
 
   @property
   def device_state_layers(self) -> int:
@@ -434,7 +435,25 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
               min(sched, sched_best), working is not None, pinned_cap, grad_queue, devices=nd,
               activations_every=K, activations_on_host=spilled,
               device_tier_bytes=sum(4 * sizes[i] + ob[i] for i in dev_g), family=m.family,
-              active_params=pc["active"])
+              active_params=pc["active"],
+              disk=disk_bytes(cfg, sum(4 * n for n in sizes) + sum(ob), len(sizes), P))
+
+
+CHECKPOINT_FILE_BYTES = 64 * 2**10  # orbax's metadata files per layer group (a bound; ~20 KiB seen)
+EXPORT_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def disk_bytes(cfg: config_lib.Config, state_bytes: int, groups: int, params: int) -> dict[str, int]:
+  """Disk bytes of the run's files: one checkpoint (every group's weights and optimizer state,
+  uncompressed: a bound, as orbax's compression of trained weights gains little), the most
+  checkpoints on disk at once (train.keep_checkpoints committed plus the one being written, or
+  every save when keep is 0) and a Hugging Face export at train.export_dtype."""
+  t = cfg.train
+  one = state_bytes + CHECKPOINT_FILE_BYTES * (groups + 1)
+  saves = (t.steps // t.checkpoint_every if t.checkpoint_every else 0) + 1  # the final one too
+  at_once = min(t.keep_checkpoints + 1, saves) if t.keep_checkpoints else saves
+  return {"one checkpoint": one, "checkpoints at once": at_once, "checkpoints kept": at_once * one,
+          "export": params * EXPORT_DTYPE_BYTES[t.export_dtype] + 2**20}  # + config, tokenizer
 
 
 def check(plan: Plan) -> None:
