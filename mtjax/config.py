@@ -381,6 +381,10 @@ class Config:
       raise ConfigError(f"train.eval_every: {self.train.eval_every} needs held-out data: prepared "
                         f"data with a val split (data.source=prepared, from `python -m mtjax.data "
                         f"prepare --val-fraction 0.02`); set train.eval_every=0 to train without it")
+    if self.train.objective == "dpo" and self.data.source != "prepared":
+      raise ConfigError(f"train.objective: dpo needs preference pairs: set data.source=prepared "
+                        f"and data.path to their folder (chosen.npy, rejected.npy and their masks; "
+                        f"mtjax.dpo), not data.source={self.data.source}")
     if self.train.objective == "dpo" and self.train.eval_every:
       raise ConfigError("train.eval_every: held-out evaluation is next-token loss; with "
                         "train.objective=dpo set train.eval_every=0")

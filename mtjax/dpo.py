@@ -219,3 +219,17 @@ class PairSource:
     n = step * self.per
     return {"source": "pairs", "step": step, "epoch": n // len(self.pairs),
             "index": n % len(self.pairs)}
+
+
+def training_source(cfg, engine, pairs: Pairs) -> tuple[PairSource, bool]:
+  """The run's pair source with the reference log-probs of `engine`'s current (initial) weights:
+  read from beside the pairs when stored for this model and data, else computed (one streamed
+  forward over the pairs) and stored. Returns (source, whether they were computed now)."""
+  from mtjax import config as config_lib  # noqa: PLC0415
+  tc = cfg.train
+  key = {"model": model_key(config_lib.to_dict(cfg.model), tc.seed, config_lib.to_dict(cfg.engine),
+                            cfg.model.from_hf),
+         "data": data_key(pairs), "rows": 2 * len(pairs)}
+  ref, computed = cached_reference(cfg.data.path, key, lambda: reference_logps(
+      engine, pairs, tc.batch // tc.grad_accum))
+  return PairSource(pairs, tc.batch, ref), computed

@@ -76,7 +76,9 @@ def test_the_plan_counts_the_passes():
      "engine.micro_batch: 4 does not divide the 2 sequences of a pass"),
 ])
 def test_bad_accumulation_config_is_one_line_and_exit_2(override, message, tmp_path, capsys):
-  code = train.main(["--no-progress", "--config", str(TINY), "train.steps=1",
-                     f"train.run_dir={tmp_path}", *override])
+  with pytest.raises(SystemExit) as e:  # the CLI's config parsing exits
+    train.main(["--no-progress", "--config", str(TINY), "train.steps=1",
+                f"train.run_dir={tmp_path}", *override])
+  code = e.value.code
   err = capsys.readouterr().err.strip().splitlines()
   assert code == 2 and len(err) == 1 and message in err[0], err
