@@ -554,9 +554,10 @@ class Engine:
     n, mb = len(self.store.devices), self.cfg.engine.micro_batch
     pairs = 2 if head == "dpo" else 1
     if B % (K * n * (mb or 1)) or B % (K * pairs):
-      raise ValueError(f"batch of {B} sequences: must split evenly into {K} pass(es)"
+      raise ValueError(f"batch of {B} sequences: must split evenly over {n} device(s)"
+                       + (f" in {K} passes" if K > 1 else "")
                        + (" of (chosen, rejected) pairs" if pairs == 2 else "")
-                       + f" over {n} device(s)" + (f" in micro-batches of {mb}" if mb else ""))
+                       + (f" in micro-batches of {mb}" if mb else ""))
     for name, a in (("inputs", batch.inputs), ("targets", batch.targets)):
       if a.shape != (B, T) or a.min(initial=0) < 0 or a.max(initial=0) >= V:
         raise ValueError(f"batch.{name}: expected shape {(B, T)} with ids in [0, {V}), got shape "
