@@ -322,9 +322,26 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DPOConfig:
+  """Direct preference optimisation: the policy against the initial weights, on (chosen, rejected)
+  pairs sharing a prompt (mtjax.dpo)."""
+  beta: float = 0.1  # strength of the tie to the reference model (the rewards' scale)
+  loss: Literal["sigmoid", "ipo"] = "sigmoid"  # sigmoid: -log sigmoid(beta * margin) (DPO); ipo: (margin - 1 / (2 beta))^2
+  sft_weight: float = 0.0  # weight of the chosen responses' mean token cross-entropy added to the loss
+
+  def __post_init__(self):
+    if self.beta <= 0 or self.sft_weight < 0:
+      raise ConfigError(f"train.dpo: beta ({self.beta}) must be > 0 and sft_weight "
+                        f"({self.sft_weight}) >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
   steps: int = 20  # optimizer steps to run
   batch: int = 8  # sequences per optimizer step (global batch)
+  grad_accum: int = 1  # forward/backward passes per optimizer step, each over batch / grad_accum sequences (weights streamed once per pass); the gradient is the whole batch's
+  objective: Literal["lm", "dpo"] = "lm"  # lm: next-token cross-entropy; dpo: preference pairs (train.dpo, data from mtjax.dpo)
+  dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)  # objective dpo only
   seq: int = 64  # tokens per sequence
   seed: int = 0  # seeds the weight init and the data stream
   log_every: int = 1  # steps between progress-bar updates of the loss
@@ -345,7 +362,14 @@ class TrainConfig:
   export_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # tensor dtype of that export
 
   def __post_init__(self):
-    _positive(self, "steps", "batch", "seq", "log_every")
+    _positive(self, "steps", "batch", "seq", "log_every", "grad_accum")
+    if self.batch % self.grad_accum:
+      raise ConfigError(f"train.grad_accum: {self.grad_accum} does not divide train.batch "
+                        f"({self.batch})")
+    if self.objective == "dpo" and (self.batch // self.grad_accum) % 2:
+      raise ConfigError(f"train.objective: dpo takes (chosen, rejected) pairs, so each pass's "
+                        f"train.batch / train.grad_accum ({self.batch} / {self.grad_accum}) "
+                        f"sequences must be even")
     if self.checkpoint_every < 0:
       raise ConfigError(f"train.checkpoint_every: {self.checkpoint_every} must be >= 0")
     if self.profile_step < 0:
@@ -375,9 +399,19 @@ class Config:
       raise ConfigError(f"train.eval_every: {self.train.eval_every} needs held-out data: prepared "
                         f"data with a val split (data.source=prepared, from `python -m mtjax.data "
                         f"prepare --val-fraction 0.02`); set train.eval_every=0 to train without it")
-    mb = self.engine.micro_batch
-    if mb is not None and self.train.batch % mb:
-      raise ConfigError(f"engine.micro_batch: {mb} does not divide train.batch ({self.train.batch})")
+    if self.train.objective == "dpo" and self.data.source != "prepared":
+      raise ConfigError(f"train.objective: dpo needs preference pairs: set data.source=prepared "
+                        f"and data.path to their folder (`python -m mtjax.data prepare --format "
+                        f"preference`, or chosen.npy, rejected.npy and their masks; "
+                        f"mtjax.dpo), not data.source={self.data.source}")
+    if self.train.objective == "dpo" and self.train.eval_every:
+      raise ConfigError("train.eval_every: held-out evaluation is next-token loss; with "
+                        "train.objective=dpo set train.eval_every=0")
+    mb, per_pass = self.engine.micro_batch, self.train.batch // self.train.grad_accum
+    if mb is not None and per_pass % mb:
+      raise ConfigError(f"engine.micro_batch: {mb} does not divide the {per_pass} sequences of a "
+                        f"pass (train.batch {self.train.batch} / train.grad_accum "
+                        f"{self.train.grad_accum})")
     groups = self.model.layers + 2
     fixed = [(k, getattr(self.engine, k)) for k in ("device_state_layers", "device_update_layers")
              if getattr(self.engine, k) != "auto"]
@@ -399,7 +433,7 @@ def _positive(obj, *names, section=None):
 
 
 _SECTION_OF = {"ModelConfig": "model.", "OptimConfig": "optim.", "EngineConfig": "engine.",
-               "DataConfig": "data.", "TrainConfig": "train."}
+               "DataConfig": "data.", "TrainConfig": "train.", "DPOConfig": "train.dpo."}
 
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:

@@ -58,6 +58,10 @@ class LayerFns:
   block_fwd: dict  # kind -> (w, x_BxTxD, ctx) -> (y_BxTxD, aux)
   block_bwd: dict  # kind -> (w, x_BxTxD, ctx, dy_BxTxD, daux) -> (dx_BxTxD, g_w, |g_w|^2)
   head_step: callable  # (w_head, w_table | None, x_BxTxD, targets_BxT, weights_BxT) -> (loss, dx, g_head, g_table)
+  head_logps: callable  # (w_head, w_table | None, x_BxTxD, targets_BxT, mask_BxT) -> each row's sum of masked log-probs
+  # with a pair objective (mtjax.dpo): (w_head, w_table, x, targets, mask, ref_B, pair_scale,
+  # sft_scale) -> (loss, dx, g_head, g_table, metrics)
+  pair_head_step: callable | None = None
 
 
 def _micro(x, n, strided=True):
@@ -77,11 +81,11 @@ def _unmicro(x, strided=True):
 
 def layer_fns(spec: models.ModelSpec, compute_dtype, micro_batch: int | None, loss_chunk: int,
               attention: str | None = None, devices: int = 1, seq_tile: int | None = None,
-              strided: bool | None = None, moe_impl: str = "ragged") -> LayerFns:
+              strided: bool | None = None, moe_impl: str = "ragged", objective=None) -> LayerFns:
   """The layer functions of every kind of `spec`'s model; `micro_batch` counts sequences per chunk
   on each of `devices`, `seq_tile` tokens per tile of a block's per-token work (see
   models.block.Block). `strided` (default: several devices) splits micro-batches and loss chunks
-  so that each spans every device."""
+  so that each spans every device. `objective` (mtjax.dpo.pair_objective) adds the pair head."""
   cd = compute_dtype
   cfg = spec.cfg
   lays = spec.layouts
@@ -144,24 +148,41 @@ def layer_fns(spec: models.ModelSpec, compute_dtype, micro_batch: int | None, lo
 
   fns = {kind: block_fns(kind) for kind in spec.kinds}
 
-  def head_step(w_head, w_table, x_BxTxD, targets_BxT, weights_BxT):
-    """Weighted loss sum and gradients, one chunk of about `loss_chunk` tokens at a time.
+  def chunking(x_BxTxD):
+    """(chunks, pad, split) of the flattened batch: chunks of about `loss_chunk` tokens.
 
     With several devices chunk k takes tokens k, k + n, k + 2n, ... of the flattened batch (n
     chunks), so with the batch split over them every chunk has its tokens on every device."""
-    B, T, D = x_BxTxD.shape
+    B, T, _ = x_BxTxD.shape
     N = B * T
     n = -(-N // min(loss_chunk, N))  # chunks
-    C = -(-N // n)  # tokens per chunk
-    pad = n * C - N
-    chunked = lambda a: _micro(jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)), n, strided)
+    pad = n * -(-N // n) - N
+    return n, lambda a: _micro(jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)), n, strided)
+
+  def chunk_nll(wh, wt, x_CxD, t_C):
+    table = None if wt is None else wt.astype(cd).reshape(cfg.vocab_size, x_CxD.shape[-1])
+    logits_CxV = head.apply({"params": lays["head"].unflatten(wh.astype(cd))}, x_CxD, table)
+    return token_nll(logits_CxV, t_C)
+
+  def head_logps(w_head, w_table, x_BxTxD, targets_BxT, mask_BxT):
+    """Each row's sum of log-probs of its targets where mask_BxT is 1 (a forward, chunked)."""
+    B, T, D = x_BxTxD.shape
+    _, chunked = chunking(x_BxTxD)
+    nll = jax.lax.map(lambda xs: chunk_nll(w_head, w_table, *xs),
+                      (chunked(x_BxTxD.reshape(B * T, D)), chunked(targets_BxT.reshape(B * T))))
+    nll_BxT = _unmicro(nll, strided)[:B * T].reshape(B, T)
+    return -jnp.sum(nll_BxT * mask_BxT, axis=1)
+
+  def head_step(w_head, w_table, x_BxTxD, targets_BxT, weights_BxT):
+    """Weighted loss sum and gradients, one chunk of about `loss_chunk` tokens at a time."""
+    B, T, D = x_BxTxD.shape
+    N = B * T
+    _, chunked = chunking(x_BxTxD)
     x_NxD, t_N = x_BxTxD.reshape(N, D), targets_BxT.reshape(N)
     wt_N = weights_BxT.reshape(N)  # padding weighs 0
 
     def chunk_loss(wh, wt, x_CxD, t_C, wt_C):
-      table = None if wt is None else wt.astype(cd).reshape(cfg.vocab_size, D)
-      logits_CxV = head.apply({"params": lays["head"].unflatten(wh.astype(cd))}, x_CxD, table)
-      return jnp.sum(token_nll(logits_CxV, t_C) * wt_C)
+      return jnp.sum(chunk_nll(wh, wt, x_CxD, t_C) * wt_C)
 
     grad_fn = jax.value_and_grad(chunk_loss, argnums=(0, 1, 2))
 
@@ -177,8 +198,21 @@ def layer_fns(spec: models.ModelSpec, compute_dtype, micro_batch: int | None, lo
     dx = _unmicro(dx, strided)[:N].reshape(B, T, D)
     return jnp.sum(losses), dx, gh, gt
 
+  def pair_head_step(w_head, w_table, x_BxTxD, targets_BxT, mask_BxT, ref_B, pair_scale,
+                     sft_scale):
+    """A pair objective's loss and gradients: a forward gives each row's log-prob, the objective
+    its loss and gradient c_B with respect to them; as a row's log-prob is minus its masked
+    tokens' cross-entropy, the cross-entropy backward weighted -c_b on row b's masked tokens is
+    the gradient of the loss (the head runs forward twice: the price of never holding logits)."""
+    policy_B = head_logps(w_head, w_table, x_BxTxD, targets_BxT, mask_BxT)
+    (loss, metrics), c_B = jax.value_and_grad(objective, has_aux=True)(policy_B, ref_B,
+                                                                        pair_scale, sft_scale)
+    _, dx, gh, gt = head_step(w_head, w_table, x_BxTxD, targets_BxT, -c_B[:, None] * mask_BxT)
+    return loss, dx, gh, gt, metrics
+
   return LayerFns(embed_fwd, embed_bwd, {k: f for k, (f, _) in fns.items()},
-                  {k: b for k, (_, b) in fns.items()}, head_step)
+                  {k: b for k, (_, b) in fns.items()}, head_step, head_logps,
+                  None if objective is None else pair_head_step)
 
 
 # From this sequence length on, `auto` takes the blockwise attention over XLA's, whose [T x T]
@@ -236,13 +270,17 @@ class StepStats:
   device_wait_s: float = 0.0
   # The auxiliary loss (in the gradient, not in `loss`) and what a mixture of experts reports:
   # aux_loss, expert_tokens_min / _max (tokens an expert got, over experts and layers), dropped.
+  # With train.grad_accum > 1, the mean over the step's passes.
   aux: dict = dataclasses.field(default_factory=dict)
+  # What the objective reports beside its loss (dpo: reward accuracy, chosen and rejected
+  # rewards, margin; means over the batch's pairs).
+  objective: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
 class _Forward:
   """What the forward leaves for the backward (device arrays)."""
-  loss: jax.Array  # the head's weighted cross-entropy
+  loss: jax.Array  # the head's loss (this pass's share of the step's)
   dx: jax.Array  # its gradient with respect to the last block's output
   head_grads: tuple  # (head weights', tied table's or None)
   saved: list  # each block's kept input (None: re-computed from its segment's first)
@@ -250,14 +288,18 @@ class _Forward:
   aux_loss: jax.Array = 0.0  # the model's auxiliary loss
   aux_metrics: dict = dataclasses.field(default_factory=dict)
   daux: list = dataclasses.field(default_factory=list)  # d aux_loss / d each block's sums
+  head_metrics: dict = dataclasses.field(default_factory=dict)  # the objective's (dpo)
 
 
 @dataclasses.dataclass
 class _Inputs:
+  """One pass's rows on the device."""
   tokens: jax.Array  # [B, T] int32 on the device
-  targets: jax.Array  # [B, T] int32
-  weights: jax.Array  # [B, T] fp32: each target's share of the loss (they sum to 1)
   ctx: Ctx
+  # after the last hidden state: lm: (targets, weights: each target's share of the step's loss,
+  # summing to 1 over the step's passes); dpo: (targets, response mask, reference log-probs [B],
+  # 1 / the step's pairs, 1 / the step's chosen response tokens)
+  head_args: tuple
 
 
 # ---- clip policies: what happens to each gradient the backward produces --------------------------
@@ -348,11 +390,51 @@ class _Recompute(_NoClip):
     self.scale = clip_scale(norm, self.engine.cfg.optim.clip_norm) if self.ok else 0.0
 
 
-def _clip_policy(engine, loss):
+def _clip_policy(engine, loss, accumulated: bool = False):
+  """The configured policy; after accumulation (every gradient summed and held already) exact
+  clipping is the held one: a recomputing backward would re-run every pass."""
   o = engine.cfg.optim
   if o.clip_norm is None:
     return _NoClip(engine, loss)
-  return (_HostBuffer if o.clip_mode == "host_buffer" else _Recompute)(engine, loss)
+  held = o.clip_mode == "host_buffer" or accumulated
+  return (_HostBuffer if held else _Recompute)(engine, loss)
+
+
+class _Accumulator:
+  """Each group's gradient summed over a step's passes before the last (train.grad_accum).
+
+  A host group's sum waits in pinned host memory (copied out after each pass, and in again to be
+  added to the next pass's gradient: its weights cross anyway, the sum crosses beside them), a
+  device or stream group's in device memory. The last pass hands each group's full sum on (`total`).
+  """
+
+  def __init__(self, engine):
+    self.engine, self.sums = engine, {}
+
+  def _take(self, idx, g):
+    """g plus the sum so far (removed), on the device."""
+    store = self.engine.store
+    if idx not in self.sums:
+      return g
+    s = self.sums.pop(idx)
+    if store.groups[idx].tier == "host" and store.host_kind is not None:
+      s = jax.device_put(s, store.on_device)
+    return self.engine._add(s, g)
+
+  def add(self, idx, g, sq, w):
+    store = self.engine.store
+    g = self._take(idx, g)
+    host = store.groups[idx].tier == "host"
+    self.sums[idx] = store.grad_to_host(g, store.groups[idx].home) if host else g
+
+  def total(self, sink):
+    """`sink` (a clip policy's) given each group's sum over every pass and its |g|^2."""
+    def take(idx, g, sq, w):
+      if idx in self.sums:
+        g = self._take(idx, g)
+        sq = self.engine._sumsq(g)
+      sink(idx, g, sq, w)
+    return take
 
 
 class Engine:
@@ -376,8 +458,18 @@ class Engine:
                                     cfg.train.seq)
     self.spec = store.spec
     self.moe_impl = moe_impl(e.moe_impl, self.device, cfg.model, e.compute_dtype)
+    tc = cfg.train
+    self.objective = tc.objective
+    objective = None
+    if tc.objective == "dpo":
+      from mtjax import dpo  # noqa: PLC0415 - the pair objective's math
+      objective = dpo.pair_objective(tc.dpo.beta, tc.dpo.loss, tc.dpo.sft_weight)
+    if tc.grad_accum > 1 and store.multiprocess:
+      raise ValueError("train.grad_accum: not supported yet in a run over several processes "
+                       "(hosts); set it to 1")
     fns = layer_fns(self.spec, DTYPES[e.compute_dtype], e.micro_batch, e.loss_chunk,
-                    self.attention, len(store.devices), e.seq_tile, moe_impl=self.moe_impl)
+                    self.attention, len(store.devices), e.seq_tile, moe_impl=self.moe_impl,
+                    objective=objective)
     self.fns = fns
 
     def jit(fn, **kw):
@@ -398,7 +490,13 @@ class Engine:
     # The model's auxiliary loss (a mixture's load balance) from the blocks' sums, its gradient
     # with respect to them (each block's backward takes its share) and its metrics.
     self._aux = jax.jit(lambda sums: jax.value_and_grad(self.spec.aux_loss, has_aux=True)(sums))
-    self._head = jit(fns.head_step)
+    self._lm_head = jit(fns.head_step)
+    if objective is None:
+      self._head = lambda *args: (*self._lm_head(*args), {})
+    else:
+      self._head = jit(fns.pair_head_step)
+    self._logps = jit(fns.head_logps)
+    self._scale = jax.jit(lambda tree, s: jax.tree.map(lambda a: a * s, tree))
     self._sumsq = jax.jit(lambda g: jnp.sum(g * g))
     self._add = jax.jit(jnp.add)
     self._finite = jax.jit(jnp.isfinite)
@@ -443,13 +541,22 @@ class Engine:
       self.store.wait(idx)
       jax.block_until_ready(out)
 
-  def _inputs(self, batch: Batch) -> _Inputs:
-    """Checks the batch and puts it on the device; per-token loss weights are normalised here."""
+  def _inputs(self, batch: Batch, passes: int | None = None, head: str | None = None
+              ) -> list[_Inputs]:
+    """Checks the batch and puts it on the device as `passes` (default train.grad_accum) slices
+    of consecutive rows; loss weights are normalised over the whole batch here, so the passes'
+    losses and gradients add up to the batch's. `head`: the objective's inputs (default the
+    run's objective), or "logps" (a response mask)."""
     B, T = batch.inputs.shape
     V = self.cfg.model.vocab_size
+    K = self.cfg.train.grad_accum if passes is None else passes
+    head = head or self.objective
     n, mb = len(self.store.devices), self.cfg.engine.micro_batch
-    if B % (n * (mb or 1)):
+    pairs = 2 if head == "dpo" else 1
+    if B % (K * n * (mb or 1)) or B % (K * pairs):
       raise ValueError(f"batch of {B} sequences: must split evenly over {n} device(s)"
+                       + (f" in {K} passes" if K > 1 else "")
+                       + (" of (chosen, rejected) pairs" if pairs == 2 else "")
                        + (f" in micro-batches of {mb}" if mb else ""))
     for name, a in (("inputs", batch.inputs), ("targets", batch.targets)):
       if a.shape != (B, T) or a.min(initial=0) < 0 or a.max(initial=0) >= V:
@@ -460,20 +567,43 @@ class Engine:
       if a is not None and np.shape(a) != (B, T):
         raise ValueError(f"batch.{name}: expected shape {(B, T)}, got {np.shape(a)}")
     lw = getattr(batch, "loss_weights", None)
-    if lw is None:
-      weights = np.full((B, T), 1.0 / (B * T), np.float32)
-    else:
-      total = float(np.sum(lw, dtype=np.float64))
-      if not total > 0 or not np.all(np.isfinite(lw)) or np.min(lw) < 0:
-        raise ValueError("batch.loss_weights: must be finite, >= 0 and not all 0")
-      weights = (np.asarray(lw, np.float64) / total).astype(np.float32)
+    if head == "lm":
+      if lw is None:
+        weights = np.full((B, T), 1.0 / (B * T), np.float32)
+      else:
+        total = float(np.sum(lw, dtype=np.float64))
+        if not total > 0 or not np.all(np.isfinite(lw)) or np.min(lw) < 0:
+          raise ValueError("batch.loss_weights: must be finite, >= 0 and not all 0")
+        weights = (np.asarray(lw, np.float64) / total).astype(np.float32)
+      rows = (batch.targets, weights)
+      scalars = ()
+    else:  # a response mask: each row's log-prob sums its targets where the mask is 1
+      if lw is None or not np.all((lw == 0) | (lw == 1)):
+        raise ValueError("batch.loss_weights: a pair objective needs a 0/1 response mask")
+      mask = np.asarray(lw, np.float32)
+      rows, scalars = (batch.targets, mask), ()
+      if head == "dpo":
+        ref = getattr(batch, "ref_logps", None)
+        if ref is None or np.shape(ref) != (B,) or not np.all(np.isfinite(ref)):
+          raise ValueError(f"batch.ref_logps: a dpo batch needs the reference model's finite "
+                           f"log-prob of each of its {B} rows (mtjax.dpo)")
+        chosen = float(mask[0::2].sum())
+        if self.cfg.train.dpo.sft_weight and not chosen:
+          raise ValueError("batch.loss_weights: train.dpo.sft_weight needs chosen response tokens")
+        rows = rows + (np.asarray(ref, np.float32),)
+        scalars = (np.float32(2.0 / B), np.float32(1.0 / max(chosen, 1.0)))
     pos = getattr(batch, "positions", None)
     seg = getattr(batch, "segments", None)
-    put = lambda a: self._split(np.asarray(a, np.int32))
-    ctx = Ctx(put(np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)) if pos is None else pos),
-                    None if seg is None else put(seg))
-    return _Inputs(put(batch.inputs), put(batch.targets),
-                   self._split(weights), ctx)
+    if pos is None:
+      pos = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
+    out = []
+    for k in range(K):
+      part = lambda a: a[k * B // K:(k + 1) * B // K]
+      put = lambda a, dtype=np.int32: self._split(np.asarray(part(a), dtype))
+      ctx = Ctx(put(pos), None if seg is None else put(seg))
+      args = tuple(put(a, np.int32 if a.dtype.kind in "iu" else np.float32) for a in rows)
+      out.append(_Inputs(put(batch.inputs), ctx, args + scalars))
+    return out
 
   def _split(self, a: np.ndarray) -> jax.Array:
     """A host array of the global batch split over the devices' `data` axis: each process puts
@@ -482,8 +612,10 @@ class Engine:
 
   # ---- the step --------------------------------------------------------------------------------
 
-  def _forward(self, inp: _Inputs, aux: bool = True) -> "_Forward":
-    """Runs embedding, blocks and head (and, with `aux`, the auxiliary loss of the blocks' sums)."""
+  def _forward(self, inp: _Inputs, aux: bool = True, passes: int = 1, head=None) -> "_Forward":
+    """Runs embedding, blocks and head (and, with `aux`, the auxiliary loss of the blocks' sums,
+    1 / `passes` of it: a step of several passes takes the mean of theirs). `head` replaces the
+    objective's head: its result is returned alone (the log-probs of `logps`)."""
     store = self.store
     L = len(store.blocks)
     self._phase = "fwd"
@@ -505,12 +637,17 @@ class Engine:
       self._observe("compute", i + 1, x)
       self._ready(x)
     tied = w_embed if self.cfg.model.tie_embeddings else None
-    loss, dx, g_head, g_table = self._head(w_next, tied, x, inp.targets, inp.weights)
+    if head is not None:
+      return head(w_next, tied, x, *inp.head_args)
+    loss, dx, g_head, g_table, metrics = self._head(w_next, tied, x, *inp.head_args)
     self._observe("compute", L + 1, loss)
     out = _Forward(loss, dx, (g_head, g_table), saved, {L + 1: w_next, 0: w_embed},
-                   daux=[{} for _ in sums])
+                   daux=[{} for _ in sums], head_metrics=metrics)
     if aux and self.spec.has_aux:
       (out.aux_loss, out.aux_metrics), out.daux = self._aux(sums)
+      if passes > 1:
+        out.aux_loss, out.aux_metrics, out.daux = self._scale(
+            (out.aux_loss, out.aux_metrics, out.daux), np.float32(1.0 / passes))
     return out
 
   def _backward(self, fwd: "_Forward", inp: _Inputs, emit, last_pass: bool, update: bool):
@@ -570,37 +707,81 @@ class Engine:
     self._observe("compute", 0, sq)
     emit(0, g_embed, sq, keep[0])
 
+  def _passes(self, batch: Batch, policy, times: list | None = None):
+    """The step's forward/backward passes over slices of `batch` (train.grad_accum of them):
+    before the last, each group's gradient joins its sum (no update); the last pass hands every
+    group's full sum to a policy made by `policy(device loss incl. auxiliary)`, whose sinks
+    commit them. Returns (policy, head loss, auxiliary metrics, objective metrics) on the device;
+    `times` gets the seconds of each forward and backward."""
+    slices = self._inputs(batch)
+    K = len(slices)
+    acc = _Accumulator(self) if K > 1 else None
+    loss = total = aux = metrics = None
+    add = lambda a, b: b if a is None else jax.tree.map(self._add, a, b)
+    for k, inp in enumerate(slices):
+      t = time.perf_counter()
+      fwd = self._forward(inp, passes=K)
+      loss, aux, metrics = add(loss, fwd.loss), add(aux, fwd.aux_metrics), add(metrics,
+                                                                             fwd.head_metrics)
+      total = add(total, self._add(fwd.loss, fwd.aux_loss) if self.spec.has_aux else fwd.loss)
+      t_fwd = time.perf_counter()
+      if k < K - 1:
+        self._backward(fwd, inp, acc.add, last_pass=True, update=False)
+      else:
+        clip = policy(total)
+        for applying in clip.passes:
+          sink = clip.sink(applying)
+          self._backward(fwd, inp, sink if acc is None else acc.total(sink), last_pass=applying,
+                         update=applying)
+          if not applying:
+            clip.between_passes()
+      if times is not None:
+        times += [t_fwd - t, time.perf_counter() - t_fwd]
+    return clip, loss, aux, metrics
+
   def step(self, batch: Batch) -> StepStats:
     """One optimizer step on `batch`. Host updates may still run when this returns; `sync()` waits."""
     t0 = time.perf_counter()
     store = self.store
     store.wait_s, self._device_wait = 0.0, 0.0
-    inp = self._inputs(batch)
-    fwd = self._forward(inp)
-    t_fwd = time.perf_counter()
-    clip = _clip_policy(self, self._add(fwd.loss, fwd.aux_loss) if self.spec.has_aux else fwd.loss)
-    for applying in clip.passes:
-      self._backward(fwd, inp, clip.sink(applying), last_pass=applying, update=applying)
-      if not applying:
-        clip.between_passes()
+    times = []
+    accumulated = self.cfg.train.grad_accum > 1
+    clip, loss, aux, metrics = self._passes(batch, lambda total: _clip_policy(self, total,
+                                                                              accumulated), times)
     t_bwd = time.perf_counter()
     norm = clip.finish()  # the step's one read of device scalars: waits for the backward to end
-    loss = float(fwd.loss)
-    aux = {k: float(v) for k, v in jax.device_get(fwd.aux_metrics).items()}
+    loss = float(loss)
+    aux, metrics = ({k: float(v) for k, v in d.items()} for d in jax.device_get((aux, metrics)))
     t_end = time.perf_counter()
     lr = store.rule.lr(store.step)
     store.end_step()  # a skipped step still counts: batches and the schedule follow the step
     return StepStats(store.step, loss, norm, lr, t_end - t0, store.wait_s,
-                     int(np.prod(batch.inputs.shape)), clip.skipped(), t_fwd - t0, t_bwd - t_fwd,
-                     t_end - t_bwd, self._device_wait, aux)
+                     int(np.prod(batch.inputs.shape)), clip.skipped(), sum(times[0::2]),
+                     t_bwd - t0 - sum(times[0::2]), t_end - t_bwd, self._device_wait, aux,
+                     metrics)
 
   def forward_backward(self, batch: Batch, sink) -> jax.Array:
-    """Streams a forward and a backward without updating anything: `sink(group index, device
-    gradient, device |g|^2)` gets each group's gradient, head first. Returns the device loss."""
-    inp = self._inputs(batch)
-    fwd = self._forward(inp)
-    self._backward(fwd, inp, lambda idx, g, s, w: sink(idx, g, s), last_pass=True, update=False)
-    return self._add(fwd.loss, fwd.aux_loss) if self.spec.has_aux else fwd.loss
+    """Streams a step's passes without updating anything: `sink(group index, device gradient,
+    device |g|^2)` gets each group's gradient (summed over the passes), head first. Returns the
+    device loss (with the auxiliary loss)."""
+    out = {}
+
+    class Collect(_NoClip):
+      def __init__(self, engine, loss):
+        out["loss"] = loss
+
+      def sink(self, applying):
+        return lambda idx, g, s, w: sink(idx, g, s)
+
+    self._passes(batch, lambda total: Collect(self, total))
+    return out["loss"]
+
+  def logps(self, batch: Batch) -> np.ndarray:
+    """Each row's sum of log-probs of its targets where batch.loss_weights (a 0/1 response mask)
+    is 1, under the current weights: one streamed forward, nothing kept, no update."""
+    inp, = self._inputs(batch, passes=1, head="logps")
+    return np.asarray(jax.device_get(self._forward(inp, aux=False, head=self._logps)),
+                      np.float32)
 
   def evaluate(self, batches) -> float:
     """Loss over the targets of several batches (held-out data), no gradient kept, no update:
@@ -611,7 +792,9 @@ class Engine:
       w = float(np.prod(b.inputs.shape)) if lw is None else float(np.sum(lw, dtype=np.float64))
       if w <= 0:
         continue
-      loss = self._forward(self._inputs(b), aux=False).loss  # the head's gradient work is the price of reuse
+      inp, = self._inputs(b, passes=1, head="lm")
+      # the head's gradient work is the price of reuse
+      loss = self._forward(inp, aux=False, head=self._lm_head)[0]
       total += float(loss) * w
       weight += w
     if weight == 0:

@@ -20,7 +20,7 @@ import jax
 from tqdm.auto import tqdm
 
 from mtjax import cli, config as config_lib
-from mtjax import checkpoint, data, export, hf, models, plan as plan_lib, runlog
+from mtjax import checkpoint, data, dpo, export, hf, models, plan as plan_lib, runlog
 from mtjax import store as store_lib
 from mtjax.engine import Engine
 from mtjax.optimizer import HostUpdateError
@@ -273,7 +273,11 @@ def _run(cfg: config_lib.Config, progress: bool, on_plan, json_path: str | None,
     on_plan(plan)
   check_disk(cfg, plan)
   tc = cfg.train
-  src = data.source(cfg.data, tc.batch, tc.seq, cfg.model.vocab_size, tc.seed)  # checks the files
+  src = pairs = None
+  if tc.objective == "dpo":  # checks the files; the source follows the reference log-probs
+    pairs = dpo.load_pairs(cfg.data.path, tc.seq, cfg.model.vocab_size)
+  else:
+    src = data.source(cfg.data, tc.batch, tc.seq, cfg.model.vocab_size, tc.seed)  # checks the files
   if tc.eval_every:  # the held-out split is checked now, not at the first evaluation
     try:
       data.Prepared(cfg.data.path, "val", cfg.model.vocab_size)
@@ -285,25 +289,36 @@ def _run(cfg: config_lib.Config, progress: bool, on_plan, json_path: str | None,
     hf.Checkpoint(cfg.model.from_hf).check(models.spec(cfg.model))
   folder = run_folder(cfg)
   with _LibraryLogs(folder):
-    return _train(cfg, plan, src, folder, progress, signals)
+    return _train(cfg, plan, src, pairs, folder, progress, signals)
 
 
-def _train(cfg: config_lib.Config, plan, src, folder: Path, progress: bool, signals) -> dict:
-  """The body of `_run` once every input is checked: allocate, restore, train, save, export."""
+def _train(cfg: config_lib.Config, plan, src, pairs, folder: Path, progress: bool, signals
+           ) -> dict:
+  """The body of `_run` once every input is checked: allocate, restore, train, save, export.
+  `src` is the token source, or None with a pair objective's `pairs` (its source is built once
+  the reference log-probs of the initial weights are known)."""
   tc = cfg.train
   device = jax.local_devices()[0]
   init_key = jax.random.key(tc.seed)  # the only key: data is seeded from train.seed by step
   t0 = time.perf_counter()
   store = store_lib.create(cfg, init_key)
   init_s = time.perf_counter() - t0
+  engine = Engine(cfg, store)
+  initial = False  # the initial weights are in the store (dpo's reference needs them)
+  if tc.objective == "dpo":
+    if cfg.model.from_hf:
+      hf.load_into(store, cfg.model.from_hf)
+    initial = True
+    src, computed = dpo.training_source(cfg, engine, pairs)
+    log.info("dpo: reference log-probs %s %s", "computed into" if computed else "read from",
+             cfg.data.path)
   resumed = None
   if tc.checkpoint_dir and tc.resume:
     resumed, _, skipped = checkpoint.restore_latest(store, tc.checkpoint_dir)
     for line in skipped:
       log.warning("checkpoint: %s", line)
-  if resumed is None and cfg.model.from_hf:
+  if resumed is None and cfg.model.from_hf and not initial:
     hf.load_into(store, cfg.model.from_hf)
-  engine = Engine(cfg, store)
   metrics = runlog.RunLog(folder, config_lib.to_dict(cfg), plan_lib.format_plan(plan),
                           start_step=store.step + 1 if resumed else 0,  # steps are 1-based
                           trackers=tuple(t for t in tc.trackers
@@ -365,7 +380,7 @@ def _train(cfg: config_lib.Config, plan, src, folder: Path, progress: bool, sign
                     backward_s=stats.backward_s, finish_s=stats.finish_s,
                     opt_wait_s=stats.opt_wait_s,
                     device_wait_s=stats.device_wait_s,
-                    host_rss_gib=rss_bytes() / 2**30)
+                    host_rss_gib=rss_bytes() / 2**30, **stats.objective)
       if accel:
         record["device_peak_gib"] = (device_peak_bytes(device) or 0) / 2**30
       if tc.eval_every and (store.step % tc.eval_every == 0 or store.step == tc.steps):

@@ -100,7 +100,7 @@ def test_host_state_is_one_copy_and_gradients_reach_it_reduced():
 
 def _block_args(cfg, st, eng):
   b = batch_for(cfg)
-  inp = eng._inputs(b)
+  inp, = eng._inputs(b)
   x = eng._embed_fwd(st.fetch(0), inp.tokens)
   return x, inp.ctx, x, {}  # a dense block: no auxiliary sums, no cotangent of them
 

@@ -104,6 +104,14 @@ def loss_fn(params, inputs, targets, cfg, dtype=jnp.float32, positions=None, seg
             loss_weights=None):
   """Next-token cross-entropy of the whole model in one graph: the mean over tokens, or with
   `loss_weights` the weighted sum over their total."""
+  nll = -token_logps(params, inputs, targets, cfg, dtype, positions, segments)
+  if loss_weights is None:
+    return jnp.mean(nll)
+  return jnp.sum(nll * loss_weights) / jnp.sum(loss_weights)
+
+
+def token_logps(params, inputs, targets, cfg, dtype=jnp.float32, positions=None, segments=None):
+  """Each target's log-prob under the whole model, [B, T]."""
   cast = jax.tree.map(lambda a: a.astype(dtype), params)
   x = cast["embed"]["table"][inputs]
   for p in cast["blocks"]:
@@ -113,10 +121,7 @@ def loss_fn(params, inputs, targets, cfg, dtype=jnp.float32, positions=None, seg
   w = cast["embed"]["table"].T if cfg.tie_embeddings else hp["out"]
   logits = (x @ w).astype(jnp.float32)
   logp = jax.nn.log_softmax(logits, axis=-1)
-  nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-  if loss_weights is None:
-    return jnp.mean(nll)
-  return jnp.sum(nll * loss_weights) / jnp.sum(loss_weights)
+  return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
 
 def decay_mask(params):

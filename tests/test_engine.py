@@ -45,13 +45,15 @@ def configs(draw):
                rope_factor=2.0, rope_original_max_len=16)
   groups = model["layers"] + 2
   n_state = draw(hst.integers(0, groups))  # tiered placements: device, stream, host groups
-  engine_ = dict(micro_batch=draw(hst.sampled_from([None] + [d for d in (1, 2) if batch % d == 0])),
+  accum = draw(hst.sampled_from([k for k in (1, 2, 4) if batch % k == 0]))  # passes per step
+  per_pass = batch // accum
+  engine_ = dict(micro_batch=draw(hst.sampled_from([None] + [d for d in (1, 2) if per_pass % d == 0])),
                  loss_chunk=draw(hst.sampled_from([5, 16, 1024])), device_state_layers=n_state,
                  seq_tile=draw(hst.sampled_from([None, 5])),  # tiles that do not divide seq
                  activations_every=draw(hst.sampled_from([1, 2, 3])),
                  activations=draw(hst.sampled_from(["device", 1, "host"])),  # kept inputs spilled
                  device_update_layers=draw(hst.integers(0, groups - n_state)))
-  train = dict(batch=batch, seq=draw(hst.sampled_from([4, 8, 12])))
+  train = dict(batch=batch, seq=draw(hst.sampled_from([4, 8, 12])), grad_accum=accum)
   return make_cfg(model, engine_, train=train)
 
 
@@ -203,7 +205,7 @@ def test_engine_variants_equal_plain_optax(variant):
 def test_every_kth_block_input_is_kept_and_the_plan_counts_it():
   cfg = make_cfg({"layers": 5}, dict(activations_every=2))
   st, eng = new_engine(cfg)
-  saved = eng._forward(eng._inputs(batch_for(cfg))).saved
+  saved = eng._forward(eng._inputs(batch_for(cfg))[0]).saved
   assert [x is not None for x in saved] == [True, False, True, False, True]  # blocks 0, 2, 4
   eng.close()
   from mtjax import plan
@@ -223,7 +225,7 @@ def test_every_kth_block_input_is_kept_and_the_plan_counts_it():
 def test_the_first_kept_inputs_spill_to_host_and_the_plan_spills_the_fewest_that_fit():
   cfg = make_cfg({"layers": 5}, dict(activations_every=2, activations=2))
   st, eng = new_engine(cfg)
-  saved = eng._forward(eng._inputs(batch_for(cfg))).saved
+  saved = eng._forward(eng._inputs(batch_for(cfg))[0]).saved
   kinds = [None if x is None else x.sharding.memory_kind for x in saved]
   device_kind = jax.devices()[0].default_memory().kind
   assert kinds == ["pinned_host", None, "pinned_host", None, device_kind]  # kept: blocks 0, 2, 4

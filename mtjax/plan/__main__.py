@@ -47,6 +47,9 @@ def format_plan(plan: Plan) -> str:
                                     f"rest re-computed" if plan.activations_every > 1 else "")
             + (f"; {plan.activations_on_host} kept inputs in host memory"
                if plan.activations_on_host else "") + ")",
+            *([f"gradient accumulation: {plan.grad_accum} forward/backward passes per step, "
+               f"each layer's weights streamed once per pass: {plan.link_bytes / GiB:.2f} GiB "
+               f"cross the link per step (host->device and back)"] if plan.grad_accum > 1 else []),
             "device bytes of the layer executables: " + ("from XLA's analysis of the compiled code"
                                                          if plan.compiled else "estimated")]
   if plan.disk:
@@ -115,7 +118,8 @@ def plan_summary(plan: Plan) -> dict:
           "tiers": list(plan.tiers),
           "activations_every": plan.activations_every,
           "activations_on_host": plan.activations_on_host, "compiled": plan.compiled,
-          "disk": plan.disk}
+          "disk": plan.disk,
+          "grad_accum": plan.grad_accum, "link_bytes_per_step": plan.link_bytes}
 
 
 if __name__ == "__main__":

@@ -151,7 +151,7 @@ def compiled_memory(cfg: config_lib.Config, device=None, devices: int = 1
   device = device or jax.local_devices()[0]
   e, m, t = cfg.engine, cfg.model, cfg.train
   key = (m, e.compute_dtype, e.micro_batch, e.loss_chunk, e.attention, e.matmul_precision,
-         e.seq_tile, e.moe_impl, t.batch, t.seq, devices, device)
+         e.seq_tile, e.moe_impl, t.batch // t.grad_accum, t.seq, devices, device)
   if key in _COMPILED_MEMORY:  # placement does not change the layer executables
     return _COMPILED_MEMORY[key]
   from mtjax import engine as engine_lib  # noqa: PLC0415 - jax and the layers: loaded when used
@@ -165,7 +165,7 @@ def compiled_memory(cfg: config_lib.Config, device=None, devices: int = 1
       strided=devices > 1, moe_impl=engine_lib.moe_impl(e.moe_impl, device, m, e.compute_dtype))
   sh = jax.sharding.SingleDeviceSharding(device)
   S = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
-  B, T, D = max(1, t.batch // devices), t.seq, m.hidden
+  B, T, D = max(1, t.batch // t.grad_accum // devices), t.seq, m.hidden  # one pass's rows
   x, tok = S((B, T, D), cd), S((B, T), jnp.int32)
   ctx = Ctx(tok)
   w = {k: S((lay.size,), jnp.float32) for k, lay in lays.items()}

@@ -77,7 +77,7 @@ class Layer:
 
 def simulate(layers: list[Layer], tiers, rates: Rates, inflight: int = 2, grad_queue: int = 4,
              overlap: bool = True, steps: int = 4, clip: str | None = None,
-             moment_bytes: int = 8) -> float:
+             moment_bytes: int = 8, passes: int = 1) -> float:
   """Predicted step time of the engine's schedule: four in-order lanes (host->device copies, device
   compute, device->host copies, the host optimizer) and the engine's dependencies between them.
 
@@ -91,7 +91,11 @@ def simulate(layers: list[Layer], tiers, rates: Rates, inflight: int = 2, grad_q
   backward: `host_buffer` applies every update only once the backward has ended (the host
   optimizer cannot overlap it); `recompute` runs a norm-only backward before the applying one.
   `moment_bytes`: a stream group's optimizer state per parameter (AdamW's m and v: 8, or 4 as
-  bfloat16). Steady state: the last step's length.
+  bfloat16).
+  `passes` (train.grad_accum; `layers` then hold one pass's seconds) runs that many forward and
+  backward passes per step: before the last, host groups' gradients go out to their sums (which
+  come back in from the second pass on, beside the weights) and nothing is updated.
+  Steady state: the last step's length.
   """
   n = len(layers)
   if isinstance(tiers, int):
@@ -126,45 +130,55 @@ def simulate(layers: list[Layer], tiers, rates: Rates, inflight: int = 2, grad_q
   for _ in range(steps):
     host_t = free["compute"]  # the host syncs on the loss and norms at the end of a step
     starts.append(host_t)
-    done = [0.0] * n  # forward compute done
-    for g, lay in enumerate(layers):
-      gate = done[g - 1 - inflight] if g - 1 - inflight >= 0 else host_t
-      arrived = (updated[g] if tiers[g] != "host" else
-                 run("h2d", max(updated[g], gate), 4 * lay.params / h2d_rate))
-      done[g] = run("compute", max(arrived, gate), lay.fwd_s)
-      if lay.checkpoint_bytes:
-        run("d2h", done[g], lay.checkpoint_bytes / d2h_rate)
-    # clip="recompute": a norm-only backward first (nothing updated), then the applying one.
-    for applying in ((False, True) if clip == "recompute" else (True,)):
-      opt_done: list[float] = []  # host updates of this backward, in order
-      held = []  # clip="host_buffer": (group, gradient landed) until the backward has ended
-      bwd_done = [0.0] * n
-      for g in reversed(range(n)):
-        gate = opt_done[-grad_queue - 1] if len(opt_done) > grad_queue else host_t
-        if g + 2 + inflight < n:
-          gate = max(gate, bwd_done[g + 2 + inflight])
-        lay, tier = layers[g], tiers[g]
-        streamed = tier == "stream" and applying
-        if g == n - 1:  # the head's gradient exists once its (forward) step ran
-          computed = done[-1]
-          if streamed:  # its moments, for the device update, once last step's are back
-            run("h2d", max(gate, moments_back[g]), moment_bytes * lay.params / h2d_rate)
-        else:
-          # weights (the embedding's backward needs none), or only the moments when streamed
-          nbytes = {"stream": moment_bytes * lay.params * applying, "host": 4 * lay.params * (g > 0),
-                    "device": 0}[tier] + lay.checkpoint_bytes
-          ready = max(gate, moments_back[g]) if streamed else gate
-          arrived = run("h2d", ready, nbytes / h2d_rate) if nbytes else ready
-          computed = run("compute", max(arrived, gate), lay.bwd_s)
-        bwd_done[g] = computed
-        if not applying:
-          continue
-        landed = run("d2h", computed, 4 * lay.params / d2h_rate) if tier == "host" else computed
-        if clip == "host_buffer":
-          held.append((g, landed))
-          continue
-        _update(g, landed)
-      end = free["compute"]  # the global norm is known: held gradients are applied in order
-      for g, landed in held:
-        _update(g, max(landed, end))
+    for p in range(passes):
+      summed = 4 * (p > 0)  # bytes/param: a host group's sum of the earlier passes comes in
+      done = [0.0] * n  # forward compute done
+      for g, lay in enumerate(layers):
+        gate = done[g - 1 - inflight] if g - 1 - inflight >= 0 else host_t
+        arrived = (updated[g] if tiers[g] != "host" else
+                   run("h2d", max(updated[g], gate), 4 * lay.params / h2d_rate))
+        done[g] = run("compute", max(arrived, gate), lay.fwd_s)
+        if lay.checkpoint_bytes:
+          run("d2h", done[g], lay.checkpoint_bytes / d2h_rate)
+      # clip="recompute": a norm-only backward first (nothing updated), then the applying one;
+      # before the last pass, gradients go to their sums and nothing is updated
+      last = p == passes - 1
+      for applying in ((False, True) if clip == "recompute" else (True,)) if last else (False,):
+        landing = applying or not last  # the gradient goes on: to its update, or its sum
+        opt_done: list[float] = []  # host updates of this backward, in order
+        held = []  # clip="host_buffer": (group, gradient landed) until the backward has ended
+        bwd_done = [0.0] * n
+        for g in reversed(range(n)):
+          gate = opt_done[-grad_queue - 1] if len(opt_done) > grad_queue else host_t
+          if g + 2 + inflight < n:
+            gate = max(gate, bwd_done[g + 2 + inflight])
+          lay, tier = layers[g], tiers[g]
+          streamed = tier == "stream" and applying
+          if g == n - 1:  # the head's gradient exists once its (forward) step ran
+            computed = done[-1]
+            if streamed:  # its moments, for the device update, once last step's are back
+              run("h2d", max(gate, moments_back[g]), moment_bytes * lay.params / h2d_rate)
+            elif tier == "host" and summed and landing:  # its sum, to add its gradient to
+              run("h2d", gate, summed * lay.params / h2d_rate)
+          else:
+            # weights (the embedding's backward needs none), or only the moments when streamed
+            nbytes = {"stream": moment_bytes * lay.params * applying,
+                      "host": (4 * (g > 0) + summed * landing) * lay.params,
+                      "device": 0}[tier] + lay.checkpoint_bytes
+            ready = max(gate, moments_back[g]) if streamed else gate
+            arrived = run("h2d", ready, nbytes / h2d_rate) if nbytes else ready
+            computed = run("compute", max(arrived, gate), lay.bwd_s)
+          bwd_done[g] = computed
+          if not landing:
+            continue
+          landed = run("d2h", computed, 4 * lay.params / d2h_rate) if tier == "host" else computed
+          if not applying:
+            continue
+          if clip == "host_buffer":
+            held.append((g, landed))
+            continue
+          _update(g, landed)
+        end = free["compute"]  # the global norm is known: held gradients are applied in order
+        for g, landed in held:
+          _update(g, max(landed, end))
   return starts[-1] - starts[-2]

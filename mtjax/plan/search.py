@@ -40,6 +40,8 @@ class Plan:
   family: str = "llama"  # the model family (mtjax.models)
   active_params: int | None = None  # parameters a token uses (a mixture's chosen experts)
   disk: dict[str, int] = dataclasses.field(default_factory=dict)  # bytes on disk (`disk_bytes`)
+  grad_accum: int = 1  # forward/backward passes per step (train.grad_accum)
+  link_bytes: int = 0  # bytes that cross between host and device in a step, both ways
 
   @property
   def device_state_layers(self) -> int:
@@ -304,12 +306,17 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
   host_g, stream_g, dev_g = on("host"), on("stream"), on("device")
   act = 2 if e.compute_dtype == "bfloat16" else 4
   tokens = t.batch * t.seq
+  # train.grad_accum: G passes of batch / G sequences each: activations are one pass's, the
+  # weights cross once per pass, and each group's gradient sum is held between passes
+  G = t.grad_accum
+  pass_batch = t.batch // G
+  clip_held = o.clip_norm and (o.clip_mode == "host_buffer" or G > 1)
   top = lambda group_sizes, k: sum(sorted(group_sizes, reverse=True)[:k])  # the k largest
   largest_stream = max((sizes[i] for i in stream_g), default=0)
   largest_stream_opt = max((ob[i] for i in stream_g), default=0)
   largest_dev = max((sizes[i] + ob[i] // 4 for i in dev_g), default=0)
   streamed = [sizes[i] for i in host_g + stream_g]
-  checkpoint = t.batch * t.seq * m.hidden * act  # one block's saved input (all devices)
+  checkpoint = pass_batch * t.seq * m.hidden * act  # one block's saved input (all devices)
   K = e.activations_every
   kept = -(-L // K)  # blocks whose input the forward keeps
   spilled = e.activations_on_host(L)  # the first kept inputs wait in pinned host memory
@@ -322,8 +329,10 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
       "optimizer state": sum(ob[i] for i in host_g + stream_g),
       # at most grad_queue queued, one being applied, one landing
       "gradients in flight": 4 * top([sizes[i] for i in host_g], grad_queue + 2),
-      "clip gradient buffer": (4 * sum(sizes[i] for i in host_g)
-                               if (o.clip_norm and o.clip_mode == "host_buffer") else 0),
+      # a host group's gradient held until the norm is known, or its sum between passes
+      # (accumulation: the held gradient is the sum, so one buffer serves both)
+      "clip gradient buffer": 4 * sum(sizes[i] for i in host_g) if clip_held and G == 1 else 0,
+      "gradient accumulation sums": 4 * sum(sizes[i] for i in host_g) if G > 1 else 0,
       "stream staging": 2 * (4 * largest_stream + largest_stream_opt) if stream_g else 0,
       "device-tier staging (sync, checkpoints)": 4 * largest_dev if dev_g else 0,
       "activations on host": spilled * checkpoint,
@@ -333,7 +342,8 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
           4 * sizes[i] + ob[i] for i in dev_g)) if rates.accelerator else 0,
   }
   pinned = (host["master weights"] + sum(ob[i] for i in stream_g) + host["gradients in flight"]
-            + host["clip gradient buffer"] + host["stream staging"]
+            + host["clip gradient buffer"] + host["gradient accumulation sums"]
+            + host["stream staging"]
             + host["device-tier staging (sync, checkpoints)"] + host["activations on host"])
   host["pinned pool headroom"] = pinned_pool_bytes(pinned) - pinned if rates.accelerator else 0
 
@@ -353,15 +363,17 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
                                            * (kept - spilled)) if rates.accelerator else 0,
       # clip_mode=host_buffer: stream and device groups' gradients (and stream groups' prefetched
       # state) wait on the device until the global norm is known
-      "clip-held gradients": (sum(4 * sizes[i] for i in stream_g + dev_g)
-                              + busiest([ob[i] for i in stream_g])
-                              if (o.clip_norm and o.clip_mode == "host_buffer") else 0),
+      "clip-held gradients": (sum(4 * sizes[i] for i in stream_g + dev_g) * (G == 1)
+                              + busiest([ob[i] for i in stream_g]) if clip_held else 0),
+      # grad_accum > 1: stream and device groups' gradient sums between passes (and held for
+      # the clip)
+      "gradient accumulation sums": sum(4 * sizes[i] for i in stream_g + dev_g) if G > 1 else 0,
   }
   if working is not None:
     # The largest executable's temporaries and outputs (its arguments are the items above).
     device["layer executables (compiled)"] = max(w["temp"] + w["output"] for w in working.values())
   else:
-    mb = e.micro_batch or max(1, t.batch // nd)
+    mb = e.micro_batch or max(1, pass_batch // nd)
     D, F, V = m.hidden, m.ffn, m.vocab_size
     if m.moe is not None:  # a token's experts' inner width, and its sorted copies
       F = max(F, m.moe.experts_per_token * (m.moe.expert_ffn + 2 * D) + m.moe.shared_width)
@@ -375,8 +387,8 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
                                  else t.seq * 8 * D + tile * (4 * D + 3 * F))
     attn = (mb * H * t.seq * 4 * 2 if e.attention != "xla" and e.compute_dtype == "bfloat16"
             else 3 * mb * H * t.seq * t.seq * 4)  # flash: row stats; XLA: scores, probs, their grad
-    chunk = min(e.loss_chunk, tokens)
-    device["layer working set (estimated)"] = max(layer_acts + attn + 3 * tokens * D * act,
+    chunk = min(e.loss_chunk, pass_batch * t.seq)
+    device["layer working set (estimated)"] = max(layer_acts + attn + 3 * pass_batch * t.seq * D * act,
                                                   chunk * V * (4 + 4 + act) + 8 * D * V)
 
   D, V = m.hidden, m.vocab_size
@@ -392,16 +404,21 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
   attn_fwd = [2 * N * (dqk + dv) * spec.attention_pairs(i, t.batch, t.seq, causal < 1)
               for i in range(L)]
   # forward, its re-runs, backward (2x the forward): matmuls and causal attention
-  compute_s = (seconds((6 + 2 * rerun) * sum(block_matmul) * tokens + 6 * D * V * tokens,
+  # the LM head: forward and backward; a pair objective (dpo) runs its forward once more first
+  head_flops = (8 if t.objective == "dpo" else 6) * D * V * tokens
+  compute_s = (seconds((6 + 2 * rerun) * sum(block_matmul) * tokens + head_flops,
                        (3 + rerun) * sum(attn_fwd))
                + HEAD_LOGIT_BYTES * V * tokens / (nd * rates.hbm_gbps * 1e9)
                + DEVICE_UPDATE_BYTES * sum(sizes[i] for i in stream_g + dev_g) / (rates.hbm_gbps * 1e9))
   ckpt_link = spilled * checkpoint
   # Host groups' weights cross twice (forward, backward; the embedding's backward needs none),
-  # stream groups' optimizer state crosses both ways, device groups cross nothing.
+  # stream groups' optimizer state crosses both ways, device groups cross nothing. With G passes
+  # the weights and the saved inputs cross G times, a host group's gradient comes out G times and
+  # its sum goes in G - 1 times.
   twice = lambda i: 1 + rerun if 0 < i <= L else 1  # blocks' re-runs fetch their weights again
-  h2d = (sum(4 * sizes[i] * twice(i) for i in host_g) + sum(ob[i] for i in stream_g) + ckpt_link)
-  d2h = 4 * sum(sizes[i] for i in host_g) + sum(ob[i] for i in stream_g) + ckpt_link
+  h2d = (G * (sum(4 * sizes[i] * twice(i) for i in host_g) + ckpt_link)
+         + (G - 1) * 4 * sum(sizes[i] for i in host_g) + sum(ob[i] for i in stream_g))
+  d2h = G * (4 * sum(sizes[i] for i in host_g) + ckpt_link) + sum(ob[i] for i in stream_g)
   host_updated = sum(sizes[i] for i in host_g)
   step_s = {
       "compute": compute_s,
@@ -409,33 +426,34 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
       "device->host": d2h / (rates.d2h_gbps * 1e9),
       "host optimizer": host_updated / (rates.host_adamw_gparams * 1e9),
   }
-  block_fwd = [seconds(2 * block_matmul[i] * tokens, attn_fwd[i]) for i in range(L)]
+  # the schedule's layers are one pass's (simulate runs G of them per step)
+  block_fwd = [seconds(2 * block_matmul[i] * tokens, attn_fwd[i]) / G for i in range(L)]
   layers = [Layer(sizes[0], 0.0, 0.0, 0)]
   # A block whose input was not kept has its forward re-run in the backward: (K-1)/K of them.
   layers += [Layer(sizes[i + 1], block_fwd[i], (2 + rerun) * block_fwd[i],
                    checkpoint if i % K == 0 and i // K < spilled else 0) for i in range(L)]
-  head_s = seconds(6 * D * V * tokens, 0) + HEAD_LOGIT_BYTES * V * tokens / (nd * rates.hbm_gbps * 1e9)
+  head_s = (seconds(head_flops, 0)
+            + HEAD_LOGIT_BYTES * V * tokens / (nd * rates.hbm_gbps * 1e9)) / G
   layers += [Layer(sizes[-1], head_s, 0.0, 0)]
   if not rates.accelerator:  # the CPU backend's "device" memory is host RAM
     host["device memory (CPU backend: host RAM)"] = sum(device.values())
   fits = ((host_limit is None or sum(host.values()) <= host_limit)
           and (device_limit is None or sum(device.values()) <= device_limit))
   if fits:  # the simulation costs O(layers); a plan that does not fit needs none
-    clip = o.clip_mode if o.clip_norm else None
-    sched = simulate(layers, tiers, rates, e.inflight_layers, grad_queue, clip=clip,
+    clip = ("host_buffer" if clip_held else o.clip_mode) if o.clip_norm else None
+    sched = simulate(layers, tiers, rates, e.inflight_layers, grad_queue, clip=clip, passes=G,
                      moment_bytes=o.moment_bytes)
     best = dataclasses.replace(rates,
                                host_adamw_in_step_gparams=rates.host_adamw_in_step_best_gparams)
     sched_best = (simulate(layers, tiers, best, e.inflight_layers, grad_queue, clip=clip,
-                           moment_bytes=o.moment_bytes)
-                  if optimistic else sched)
+                           passes=G, moment_bytes=o.moment_bytes) if optimistic else sched)
   else:
     sched = sched_best = math.inf
   return Plan(P, tuple(tiers), host, device, pinned, step_s, host_limit, device_limit, sched,
               min(sched, sched_best), working is not None, pinned_cap, grad_queue, devices=nd,
               activations_every=K, activations_on_host=spilled,
               device_tier_bytes=sum(4 * sizes[i] + ob[i] for i in dev_g), family=m.family,
-              active_params=pc["active"],
+              active_params=pc["active"], grad_accum=G, link_bytes=h2d + d2h,
               disk=disk_bytes(cfg, sum(4 * n for n in sizes) + sum(ob), len(sizes), P))
 
 
