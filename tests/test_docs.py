@@ -15,9 +15,6 @@ ROOT = Path(__file__).parent.parent
 README = ROOT / "README.md"
 DOCS = [README, ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Pages the README links that other branches write; drop each once it is merged.
-WRITTEN_ELSEWHERE = {"docs/reliability.md", "docs/data.md", "docs/training.md"}
-
-
 def test_config_reference_matches_the_dataclasses(capsys):
   rc = config_reference.main(["--check", str(README), str(ROOT / "docs" / "config.md")])
   assert rc == 0, capsys.readouterr().err
@@ -28,10 +25,10 @@ def test_config_reference_shows_every_field_with_its_default_and_comment():
                  for m in config_reference.MARKER.finditer(page.read_text()))
   for section, cls in (("model", config.ModelConfig), ("optim", config.OptimConfig),
                        ("engine", config.EngineConfig), ("data", config.DataConfig),
-                       ("train", config.TrainConfig), ("model.moe", config.MoEConfig),
-                       ("model.mla", config.MLAConfig)):
+                       ("train", config.TrainConfig), ("train.dpo", config.DPOConfig),
+                       ("model.moe", config.MoEConfig), ("model.mla", config.MLAConfig)):
     for f in cls.__dataclass_fields__.values():
-      if f.name in ("moe", "mla"):
+      if f.name in ("moe", "mla", "dpo"):
         continue
       row = re.search(rf"^\| `{re.escape(section)}\.{f.name}` \|.*$", text, re.M)
       assert row, f"{section}.{f.name} missing from the config reference"
@@ -60,14 +57,13 @@ def test_every_relative_link_points_to_an_existing_file():
       if re.match(r"[a-z]+:", target) or target.startswith("#"):
         continue
       path = (doc.parent / target.split("#")[0]).resolve()
-      rel = path.relative_to(ROOT.resolve()).as_posix()
-      if not path.exists() and rel not in WRITTEN_ELSEWHERE:
+      if not path.exists():
         broken.append(f"{doc.relative_to(ROOT)}: {target}")
   assert not broken, broken
 
 
 def test_readme_is_short():
-  assert len(README.read_text().splitlines()) <= 260
+  assert len(README.read_text().splitlines()) <= 250  # the rest lives in docs/
 
 
 def test_readme_setup_commands_are_the_ones_ci_runs():
