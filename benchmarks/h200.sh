@@ -12,7 +12,8 @@
 #                memory), the serial engine, all-on-GPU JAX, the roofline; then DeepSpeed ZeRO-3
 #                offload (carry .whl from benchmarks/deepspeed_wheels.sh)
 #   bench-b32    the same at batch 32 (no serial row)
-#   families     default configs: DeepSeek-V2-Lite, Gemma 2 9B, the Qwen2.5-14B shape
+#   families     default configs: DeepSeek-V2-Lite, Gemma 2 9B, GPT-OSS-20B (bf16 moments)
+#   accum        3.37B at batch 32 in one pass, in 4 (train.grad_accum), and batch 64 in 8
 #   defaults     default configs beside plain JAX: the Llama-3.2-1B shape at 8 x 1024 (bench.py,
 #                mtjax and jax-all-gpu side by side), the Qwen2.5-14B shape at 8 x 2048, 8B at 1 x 32768
 #   largest      the largest shape the planner fits: the Qwen2.5-14B width with 50 layers
@@ -27,8 +28,15 @@ set -uo pipefail
 DRY=
 [ "${1:-}" = "--dry-run" ] && { DRY=1; shift; }
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+# Wheels carried in .whl/ (packages the GPU image lacks: tensorboardX, google-crc32c; DeepSpeed's
+# from benchmarks/deepspeed_wheels.sh) install into /tmp/site, ahead of the image's packages.
+if [ -z "$DRY" ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
 OUT=$(realpath -m "${OUT:-benchmarks/results/h200}")
-TABLES="gpu-check sanity placement bench-b8 bench-b32 families defaults largest qwen3-moe moe-kernels
+TABLES="gpu-check sanity placement bench-b8 bench-b32 families accum defaults largest qwen3-moe moe-kernels
 finetune context context-8b context-1m"
 quiet() { grep -v "bfc_allocator\|^W12\|^I12\|^E12"; }
 
@@ -53,9 +61,8 @@ bench() {  # bench DIR BATCH TIMEOUT SYSTEMS STEPS: the 3.37B shape side by side
     --warmup 1 --steps "$steps" --systems "$systems" --out "$dir/bench.json" \
     --timeline "$dir/b$b.png" --variant "host:engine.device_state_layers=0 engine.device_update_layers=0" \
     --variant "24gib:engine.device_memory_gb=24" train.batch="$b"
-  if ls .whl/deepspeed-*.whl >/dev/null 2>&1 || [ -n "$DRY" ]; then
-    [ -z "$DRY" ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-    PYTHONPATH=/tmp/site:$PWD x "$dir/deepspeed_b$b.log" 200 python3 benchmarks/deepspeed_baseline.py \
+  if ls .whl/deepspeed-*.whl >/dev/null 2>&1 || [ -n "$DRY" ]; then  # installed above
+    x "$dir/deepspeed_b$b.log" 200 python3 benchmarks/deepspeed_baseline.py \
       --config configs/llama_3b.yaml --warmup 2 --steps 3 --optimizer ds --out "$dir/bench.json" \
       train.batch="$b"
   fi
@@ -88,7 +95,11 @@ table() {
     families)
       train "$dir" deepseek_v2_lite 190 --config configs/deepseek_v2_lite.yaml train.steps=5
       train "$dir" gemma2_9b 170 --config configs/gemma2_9b.yaml train.steps=5
-      train "$dir" qwen14b 200 --config configs/qwen2.5_14b.yaml train.steps=5 ;;
+      train "$dir" gpt_oss_20b 230 --config configs/gpt_oss_20b.yaml train.steps=5 ;;
+    accum)
+      train "$dir" b32 150 --config configs/llama_3b.yaml train.batch=32 train.steps=4
+      train "$dir" b32_accum4 200 --config configs/llama_3b.yaml train.batch=32 train.grad_accum=4 train.steps=4
+      train "$dir" b64_accum8 250 --config configs/llama_3b.yaml train.batch=64 train.grad_accum=8 train.steps=3 ;;
     defaults)
       x "$dir/bench_1b.log" 170 python3 benchmarks/bench.py --config configs/llama3.2_1b.yaml \
         --systems mtjax,jax-all-gpu --no-idle --steps 5 --out "$dir/bench_1b.json"

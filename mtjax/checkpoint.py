@@ -89,7 +89,8 @@ CHECKSUM = "xxh3_64"  # meta.json's key for the arrays' hashes (older checkpoint
 def checksum(a: np.ndarray) -> int:
   """The array's bytes hashed with xxh3-64: any changed, swapped or zeroed run of bytes changes
   it, at memory speed (several GB/s), so a 10B-parameter state is checked in seconds."""
-  return xxhash.xxh3_64_intdigest(memoryview(np.ascontiguousarray(a)).cast("B"))
+  # as bytes: a buffer of ml_dtypes' bfloat16 (optim.state_dtype) cannot be cast by memoryview
+  return xxhash.xxh3_64_intdigest(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
 
 
 SOURCE_DIR = "hf_source"  # a step's copy of its Hugging Face source's config and tokenizer files
