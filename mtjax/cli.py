@@ -54,8 +54,11 @@ def with_hf_model(raw: dict) -> dict:
   except (hf.HFError, OSError) as e:
     raise ConfigError(f"model.from_hf: {e}") from None
   merged = {**fields, **model, "from_hf": str(directory)}
+  # the widths a section may write either way (head_dim: 64 or null at hidden / heads = 64)
+  mine_w = config.derived_widths({**fields, **model})
+  theirs_w = config.derived_widths(fields)
   for k, v in fields.items():
-    if k not in model:
+    if k not in model or (k in ("kv_heads", "head_dim") and mine_w[k] == theirs_w[k]):
       continue
     if dataclasses.is_dataclass(v) and isinstance(model[k], dict):  # a section: key by key
       section = dataclasses.asdict(v)

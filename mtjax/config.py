@@ -89,6 +89,21 @@ class MLAConfig:
 # imported model, and a checkpoint resumes under other values.
 TRAINING_KNOBS = ("aux_loss_coef", "z_loss_coef", "capacity_factor")
 
+
+def derived_widths(model: dict) -> dict:
+  """A model section (a dict) with its derivable widths written one way: kv_heads as the query
+  heads where null, head_dim null where it is hidden / heads. Two sections that differ only in
+  how they write these (a config's `head_dim: 64` and a config.json's omitted head_dim) describe
+  the same model; compare their `derived_widths`."""
+  m = dict(model)
+  heads, hidden = m.get("heads"), m.get("hidden")
+  if m.get("kv_heads") is None and heads is not None:
+    m["kv_heads"] = heads
+  head_dim = m.get("head_dim")
+  if isinstance(head_dim, int) and isinstance(heads, int) and head_dim * heads == hidden:
+    m["head_dim"] = None
+  return m
+
 LayerType = Literal["full", "sliding"]
 
 

@@ -28,7 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from mtjax import models
-from mtjax.config import ModelConfig
+from mtjax.config import ModelConfig, derived_widths
 from mtjax.models import FamilyError, Piece
 
 
@@ -487,8 +487,10 @@ def _export_config(cfg: ModelConfig, dtype: str, source_dir) -> dict:
     config.pop("quantization_config", None)
     where = str(src)
   fields = model_fields(config, where)
+  mine = derived_widths({k: getattr(cfg, k) for k in fields})
+  theirs = derived_widths(fields)
   for key, value in fields.items():
-    if key not in _NOT_ARCHITECTURE and getattr(cfg, key) != value:
+    if key not in _NOT_ARCHITECTURE and mine[key] != theirs[key]:
       raise HFError(f"{where}: gives model.{key}={value!r}, the weights have "
                     f"{getattr(cfg, key)!r}")
   return config

@@ -3,7 +3,8 @@
 Writes loss.png (loss and held-out loss against step and tokens), lr.png, throughput.png,
 step_time.png (the split of each step as stacked bars), memory.png (host RSS and device peak over
 time) and, when RUN_DIR/timeline.json exists, timeline.png (per-layer transfers and compute of one
-step). A plot whose fields were never logged is left out. Needs matplotlib.
+step), and for DPO rewards.png (chosen, rejected rewards and their margin) and
+reward_accuracy.png. A plot whose fields were never logged is left out. Needs matplotlib.
 """
 
 from __future__ import annotations
@@ -208,6 +209,15 @@ def render(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]
   if _has(records, "lr"):
     written.append(_plot_pair(plt, records, [("lr", "learning rate")], "learning rate",
                               "Learning rate", out / "lr.png", tokens))
+  if _has(records, "reward_margin"):  # a preference objective (train.objective: dpo)
+    written.append(_plot_pair(plt, records, [("reward_chosen", "chosen"),
+                                             ("reward_rejected", "rejected"),
+                                             ("reward_margin", "margin")],
+                              "reward (beta x log-prob ratio)", "DPO rewards", out / "rewards.png",
+                              tokens))
+    written.append(_plot_pair(plt, records, [("reward_accuracy", "chosen above rejected")],
+                              "share of pairs", "DPO reward accuracy",
+                              out / "reward_accuracy.png", tokens))
   if _has(records, "tokens_per_s"):
     written.append(_plot_throughput(plt, records, out / "throughput.png"))
   if _has(records, "step_s") or any(_has(records, f) for f, _ in SPLIT):

@@ -26,6 +26,7 @@ SMOKES = {"bench.py": "test_bench_smoke_runs_every_system_and_records_the_fields
           "deepspeed_baseline.py": "test_deepspeed_baseline_smoke_builds_the_same_shape",
           "gpu_check.py": "test_gpu_check_smoke_holds_the_engine_to_the_reference",
           "finetune.py": "test_finetune_smoke_exports_what_transformers_reads_back",
+          "recipes.py": "test_recipes_smoke_runs_sft_dpo_and_accumulation",
           "h200.sh": "test_h200_dry_run_names_existing_scripts_and_configs",
           "deepspeed_wheels.sh": None}  # builds wheels from the network: nothing to smoke
 
@@ -151,6 +152,25 @@ def test_finetune_smoke_exports_what_transformers_reads_back(tmp_path):
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert summary["logits_rel_err"] < 1e-5 and summary["argmax_agreement"] == 1.0
   assert summary["finetune"]["params"] == summary["hf_params"]
+
+
+def test_recipes_smoke_runs_sft_dpo_and_accumulation(tmp_path, capsys):
+  """ShareGPT SFT, exported, then DPO from the export on preference rows, then one batch in one
+  and in four passes: each run's summary, report and DPO's reward metrics."""
+  import recipes  # noqa: PLC0415
+  assert recipes.main([str(tmp_path), "--smoke"]) == 0
+  rows = {r["run"]: r for r in json.loads((tmp_path / "summary.json").read_text())}
+  assert list(rows) == ["sft_sharegpt", "dpo_preference", "sft_b32_accum1", "sft_b32_accum4"]
+  assert rows["dpo_preference"]["first_loss"] == pytest.approx(math.log(2), rel=1e-4)
+  assert "reward_accuracy" in rows["dpo_preference"] and "reward_accuracy" not in rows["sft_sharegpt"]
+  # the same data, batch and weights: the accumulated step's first loss is the one-pass step's
+  assert rows["sft_b32_accum4"]["first_loss"] == pytest.approx(rows["sft_b32_accum1"]["first_loss"],
+                                                               rel=1e-5)
+  for name in rows:
+    assert (tmp_path / name / "report" / "loss.png").is_file(), name  # the report's curves
+  assert (tmp_path / "dpo_preference" / "report" / "reward_accuracy.png").is_file()
+  assert not (tmp_path / "sft_sharegpt" / "report" / "rewards.png").exists()
+  assert "grad_accum 4 against 1" in capsys.readouterr().out
 
 
 def test_h200_dry_run_names_existing_scripts_and_configs():

@@ -500,3 +500,23 @@ def test_export_keeps_the_source_identity_from_any_directory(tmp_path, monkeypat
   r = export("out4", "--source", str(tmp_path / "out1"))  # the user says where the source is
   assert r.returncode == 0, r.stderr
   exported_config("out4")
+
+
+def test_a_head_dim_written_out_is_the_same_model_as_one_left_derived(tmp_path):
+  """`model.head_dim: 16` at hidden / heads = 16 is the model a config.json without head_dim
+  describes (as transformers reads both): the export of such a run writes its config, a run from that export may repeat the key
+  and resume the other's checkpoint; another head_dim is still refused in one line."""
+  from mtjax import checkpoint, config, train
+  tiny = ROOT / "configs" / "tiny.yaml"  # hidden 64, 4 heads
+  base = ["engine.compute_dtype=float32", "train.steps=1", "train.batch=2", "train.seq=8"]
+  train.run(config.load(tiny, [*base, "model.head_dim=16", f"train.export_dir={tmp_path / 'x'}",
+                               f"train.run_dir={tmp_path / 'r1'}"]), progress=False)
+  assert json.loads((tmp_path / "x" / "config.json").read_text())["head_dim"] == 16
+  cfg = cli.load_config(tiny, [*base, "model.head_dim=16", f"model.from_hf={tmp_path / 'x'}"])
+  assert cfg.model.dim_per_head == 16
+  with pytest.raises(config.ConfigError, match=r"model\.head_dim: 32 differs from .*config\.json"):
+    cli.load_config(tiny, [*base, "model.head_dim=32", f"model.from_hf={tmp_path / 'x'}"])
+  saved = config.to_dict(config.load(tiny, ["model.head_dim=16"]).model)
+  assert checkpoint.model_difference(saved, config.to_dict(config.load(tiny).model)) is None
+  assert "model.head_dim" in checkpoint.model_difference(
+      saved, config.to_dict(config.load(tiny, ["model.head_dim=8"]).model))
