@@ -13,7 +13,8 @@
 #                offload (carry .whl from benchmarks/deepspeed_wheels.sh)
 #   bench-b32    the same at batch 32 (no serial row)
 #   families     default configs: DeepSeek-V2-Lite, Gemma 2 9B, GPT-OSS-20B (bf16 moments)
-#   accum        3.37B at batch 32 in one pass, in 4 (train.grad_accum), and batch 64 in 8
+#   recipes      the 1B Llama-3.2 shape: SFT from a ShareGPT file, DPO from its export on preference
+#                rows (100 steps each), batch 32 in one pass and in 4 (benchmarks/recipes.py)
 #   defaults     default configs beside plain JAX: the Llama-3.2-1B shape at 8 x 1024 (bench.py,
 #                mtjax and jax-all-gpu side by side), the Qwen2.5-14B shape at 8 x 2048, 8B at 1 x 32768
 #   largest      the largest shape the planner fits: the Qwen2.5-14B width with 50 layers
@@ -36,7 +37,7 @@ if [ -z "$DRY" ] && ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site:$PWD
 fi
 OUT=$(realpath -m "${OUT:-benchmarks/results/h200}")
-TABLES="gpu-check sanity placement bench-b8 bench-b32 families accum defaults largest qwen3-moe moe-kernels
+TABLES="gpu-check sanity placement bench-b8 bench-b32 families recipes defaults largest qwen3-moe moe-kernels
 finetune context context-8b context-1m"
 quiet() { grep -v "bfc_allocator\|^W12\|^I12\|^E12"; }
 
@@ -93,13 +94,11 @@ table() {
     bench-b32)
       bench "$dir" 32 330 mtjax,jax-all-gpu,roofline 2 ;;
     families)
-      train "$dir" deepseek_v2_lite 190 --config configs/deepseek_v2_lite.yaml train.steps=5
-      train "$dir" gemma2_9b 170 --config configs/gemma2_9b.yaml train.steps=5
-      train "$dir" gpt_oss_20b 230 --config configs/gpt_oss_20b.yaml train.steps=5 ;;
-    accum)
-      train "$dir" b32 150 --config configs/llama_3b.yaml train.batch=32 train.steps=4
-      train "$dir" b32_accum4 200 --config configs/llama_3b.yaml train.batch=32 train.grad_accum=4 train.steps=4
-      train "$dir" b64_accum8 250 --config configs/llama_3b.yaml train.batch=64 train.grad_accum=8 train.steps=3 ;;
+      train "$dir" deepseek_v2_lite 170 --config configs/deepseek_v2_lite.yaml train.steps=5
+      train "$dir" gemma2_9b 150 --config configs/gemma2_9b.yaml train.steps=5
+      train "$dir" gpt_oss_20b 240 --config configs/gpt_oss_20b.yaml train.steps=5 ;;
+    recipes)
+      x "$dir/log" 560 python3 benchmarks/recipes.py "$dir" --steps 100 ;;
     defaults)
       x "$dir/bench_1b.log" 170 python3 benchmarks/bench.py --config configs/llama3.2_1b.yaml \
         --systems mtjax,jax-all-gpu --no-idle --steps 5 --out "$dir/bench_1b.json"

@@ -63,14 +63,14 @@ def questions(n: int, seed: int = 0):
            f"{a} plus {b} is {a + b + rng.choice([-100, -10, -1, 1, 10, 100])}.")
 
 
-def write_sources(work: Path, n: int) -> tuple[Path, Path]:
-  """A ShareGPT file (two sums per conversation) and a preference file of single sums."""
+def write_sources(work: Path, n: int, pairs: int) -> tuple[Path, Path]:
+  """A ShareGPT file of n conversations (two sums each) and a preference file of `pairs` sums."""
   qs = list(questions(2 * n))
   chats = [{"conversations": [{"from": "system", "value": "You add numbers."},
                               {"from": "human", "value": q1}, {"from": "gpt", "value": r1},
                               {"from": "human", "value": q2}, {"from": "gpt", "value": r2}]}
            for (q1, r1, _), (q2, r2, _) in zip(qs[0::2], qs[1::2])]
-  prefs = [{"prompt": q, "chosen": r, "rejected": w} for q, r, w in qs]
+  prefs = [{"prompt": q, "chosen": r, "rejected": w} for q, r, w in qs[:pairs]]
   sharegpt, preference = work / "chats.json", work / "prefs.jsonl"
   sharegpt.write_text(json.dumps(chats))  # a JSON array, as ShareGPT dumps come
   preference.write_text("".join(json.dumps(p) + "\n" for p in prefs))
@@ -113,7 +113,9 @@ def main(argv=None) -> int:
     work = Path(tmp)
     corpus(work, smoke=True)  # 40 files: enough text for a tokenizer of sums and chat markup
     tok = tokenizer(work, 1024 if args.smoke else 8192)
-    sharegpt, preference = write_sources(work, 200 if args.smoke else 20000)
+    # DPO's reference pass reads every pair once: as many as its steps take, and a few more
+    sharegpt, preference = write_sources(work, 200 if args.smoke else 20000,
+                                         400 if args.smoke else 10 * steps)
     sft, dpo = work / "sft", work / "dpo"
     sh("-m", "mtjax.data", "prepare", "--tokenizer", str(tok), "--format", "sharegpt", "--out",
        str(sft), "--quiet", str(sharegpt))
