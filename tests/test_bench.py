@@ -154,6 +154,7 @@ def test_finetune_smoke_exports_what_transformers_reads_back(tmp_path):
   assert summary["finetune"]["params"] == summary["hf_params"]
 
 
+@pytest.mark.soak  # ten processes, one after another (prepare, train, report)
 def test_recipes_smoke_runs_sft_dpo_and_accumulation(tmp_path, capsys):
   """ShareGPT SFT, exported, then DPO from the export on preference rows, then one batch in one
   and in four passes: each run's summary, report and DPO's reward metrics."""
