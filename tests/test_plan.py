@@ -175,14 +175,14 @@ def test_serial_schedule_is_the_sum_of_its_items(k):
   h2d, d2h = 1e3, 2e3
   total = 0.0
   for g, lay in enumerate(LAYERS):
-    total += lay.fwd_s + lay.bwd_s + lay.checkpoint_bytes / d2h  # kernels, saved input out
+    total += lay.fwd_s + lay.bwd_s + lay.saved_input_bytes / d2h  # kernels, saved input out
     if g < k:  # resident weights: only the moments come in
       total += 8 * lay.params / h2d + 8 * lay.params / d2h  # moments in and out
     else:
       back = 4 * lay.params if 0 < g < len(LAYERS) - 1 else 0  # embedding and head need none
       total += (4 * lay.params + back) / h2d + 4 * lay.params / d2h + lay.params / 500
     if 0 < g < len(LAYERS) - 1:
-      total += lay.checkpoint_bytes / h2d  # saved input back in for the backward
+      total += lay.saved_input_bytes / h2d  # saved input back in for the backward
   assert plan.simulate(LAYERS, k, RATES, overlap=False) == pytest.approx(total, rel=1e-9)
 
 
@@ -197,9 +197,9 @@ def test_overlapped_schedule_lies_between_its_busiest_lane_and_the_serial_sum(k,
   host = sum(lay.params for lay in LAYERS[k:]) / 500
   compute = sum(lay.fwd_s + lay.bwd_s for lay in LAYERS)
   # Every step moves these bytes each way (see the serial test for the items).
-  out = sum((8 if g < k else 4) * lay.params + lay.checkpoint_bytes for g, lay in enumerate(LAYERS))
+  out = sum((8 if g < k else 4) * lay.params + lay.saved_input_bytes for g, lay in enumerate(LAYERS))
   inward = sum(8 * lay.params if g < k else 4 * lay.params * (1 + (0 < g < len(LAYERS) - 1))
-               for g, lay in enumerate(LAYERS)) + sum(lay.checkpoint_bytes for lay in LAYERS)
+               for g, lay in enumerate(LAYERS)) + sum(lay.saved_input_bytes for lay in LAYERS)
   assert max(host, compute, out / in_out[1], inward / in_out[0]) <= step * (1 + 1e-9)
   assert step <= plan.simulate(LAYERS, k, rates, inflight, queue, overlap=False)
 

@@ -72,7 +72,7 @@ class Layer:
   params: int
   fwd_s: float
   bwd_s: float
-  checkpoint_bytes: int
+  saved_input_bytes: int
 
 
 def simulate(layers: list[Layer], tiers, rates: Rates, inflight: int = 2, grad_queue: int = 4,
@@ -138,8 +138,8 @@ def simulate(layers: list[Layer], tiers, rates: Rates, inflight: int = 2, grad_q
         arrived = (updated[g] if tiers[g] != "host" else
                    run("h2d", max(updated[g], gate), 4 * lay.params / h2d_rate))
         done[g] = run("compute", max(arrived, gate), lay.fwd_s)
-        if lay.checkpoint_bytes:
-          run("d2h", done[g], lay.checkpoint_bytes / d2h_rate)
+        if lay.saved_input_bytes:
+          run("d2h", done[g], lay.saved_input_bytes / d2h_rate)
       # clip="recompute": a norm-only backward first (nothing updated), then the applying one;
       # before the last pass, gradients go to their sums and nothing is updated
       last = p == passes - 1
@@ -164,7 +164,7 @@ def simulate(layers: list[Layer], tiers, rates: Rates, inflight: int = 2, grad_q
             # weights (the embedding's backward needs none), or only the moments when streamed
             nbytes = {"stream": moment_bytes * lay.params * applying,
                       "host": (4 * (g > 0) + summed * landing) * lay.params,
-                      "device": 0}[tier] + lay.checkpoint_bytes
+                      "device": 0}[tier] + lay.saved_input_bytes
             ready = max(gate, moments_back[g]) if streamed else gate
             arrived = run("h2d", ready, nbytes / h2d_rate) if nbytes else ready
             computed = run("compute", max(arrived, gate), lay.bwd_s)

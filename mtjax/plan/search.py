@@ -109,7 +109,7 @@ def make(cfg: config_lib.Config, host_limit: int | None = None, device_limit: in
   """
   refuse_by_size(cfg, host_limit, device_limit)
   if "auto" in (cfg.engine.activations_every, cfg.engine.activations):
-    return _checkpoints(cfg, lambda c: make(c, host_limit, device_limit, rates, working,
+    return _saved_inputs(cfg, lambda c: make(c, host_limit, device_limit, rates, working,
                                             opt_bytes, pinned_cap))
   e = cfg.engine
   G = cfg.model.layers + 2
@@ -152,7 +152,7 @@ GRAD_QUEUES = (2, 4, 6, 8, 12, 16, 24)  # what engine.grad_queue=auto chooses am
 ACTIVATIONS_EVERY = (1, 2, 3, 4, 6, 8, 12, 16)  # what engine.activations_every=auto chooses among
 
 
-def _checkpoints(cfg: config_lib.Config, make_plan) -> Plan:
+def _saved_inputs(cfg: config_lib.Config, make_plan) -> Plan:
   """Where the blocks' saved inputs go (`engine.activations_every` and `engine.activations`: auto).
 
   `activations_every: auto` alone keeps every block's input while the device holds them, else the
@@ -316,7 +316,7 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
   largest_stream_opt = max((ob[i] for i in stream_g), default=0)
   largest_dev = max((sizes[i] + ob[i] // 4 for i in dev_g), default=0)
   streamed = [sizes[i] for i in host_g + stream_g]
-  checkpoint = pass_batch * t.seq * m.hidden * act  # one block's saved input (all devices)
+  saved_input = pass_batch * t.seq * m.hidden * act  # one block's saved input (all devices)
   K = e.activations_every
   kept = -(-L // K)  # blocks whose input the forward keeps
   spilled = e.activations_on_host(L)  # the first kept inputs wait in pinned host memory
@@ -335,7 +335,7 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
       "gradient accumulation sums": 4 * sum(sizes[i] for i in host_g) if G > 1 else 0,
       "stream staging": 2 * (4 * largest_stream + largest_stream_opt) if stream_g else 0,
       "device-tier staging (sync, checkpoints)": 4 * largest_dev if dev_g else 0,
-      "activations on host": spilled * checkpoint,
+      "activations on host": spilled * saved_input,
       "import / export staging (start / end)": hf_staging_bytes(cfg),
       "runtime": RUNTIME_HOST_BYTES if rates.accelerator else RUNTIME_HOST_BYTES_CPU,
       "device-tier host allowance (measured)": int(DEVICE_TIER_HOST_SHARE * sum(
@@ -357,9 +357,9 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
       # and with K > 1 one segment's re-computed inputs plus the block's own at the turn between
       # two segments
       "saved activations": ((kept - spilled + (2 if spilled else 0))
-                            + (K + 1 if K > 1 else 0)) * checkpoint // nd,
+                            + (K + 1 if K > 1 else 0)) * saved_input // nd,
       # (accelerators only) the allocator's rounding of the saved inputs in device memory
-      "allocator rounding (measured)": int(SAVED_INPUT_ROUNDING * min(checkpoint // nd, 128 * 2**20)
+      "allocator rounding (measured)": int(SAVED_INPUT_ROUNDING * min(saved_input // nd, 128 * 2**20)
                                            * (kept - spilled)) if rates.accelerator else 0,
       # clip_mode=host_buffer: stream and device groups' gradients (and stream groups' prefetched
       # state) wait on the device until the global norm is known
@@ -410,15 +410,15 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
                        (3 + rerun) * sum(attn_fwd))
                + HEAD_LOGIT_BYTES * V * tokens / (nd * rates.hbm_gbps * 1e9)
                + DEVICE_UPDATE_BYTES * sum(sizes[i] for i in stream_g + dev_g) / (rates.hbm_gbps * 1e9))
-  ckpt_link = spilled * checkpoint
+  saved_link = spilled * saved_input
   # Host groups' weights cross twice (forward, backward; the embedding's backward needs none),
   # stream groups' optimizer state crosses both ways, device groups cross nothing. With G passes
   # the weights and the saved inputs cross G times, a host group's gradient comes out G times and
   # its sum goes in G - 1 times.
   twice = lambda i: 1 + rerun if 0 < i <= L else 1  # blocks' re-runs fetch their weights again
-  h2d = (G * (sum(4 * sizes[i] * twice(i) for i in host_g) + ckpt_link)
+  h2d = (G * (sum(4 * sizes[i] * twice(i) for i in host_g) + saved_link)
          + (G - 1) * 4 * sum(sizes[i] for i in host_g) + sum(ob[i] for i in stream_g))
-  d2h = G * (4 * sum(sizes[i] for i in host_g) + ckpt_link) + sum(ob[i] for i in stream_g)
+  d2h = G * (4 * sum(sizes[i] for i in host_g) + saved_link) + sum(ob[i] for i in stream_g)
   host_updated = sum(sizes[i] for i in host_g)
   step_s = {
       "compute": compute_s,
@@ -431,7 +431,7 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
   layers = [Layer(sizes[0], 0.0, 0.0, 0)]
   # A block whose input was not kept has its forward re-run in the backward: (K-1)/K of them.
   layers += [Layer(sizes[i + 1], block_fwd[i], (2 + rerun) * block_fwd[i],
-                   checkpoint if i % K == 0 and i // K < spilled else 0) for i in range(L)]
+                   saved_input if i % K == 0 and i // K < spilled else 0) for i in range(L)]
   head_s = (seconds(head_flops, 0)
             + HEAD_LOGIT_BYTES * V * tokens / (nd * rates.hbm_gbps * 1e9)) / G
   layers += [Layer(sizes[-1], head_s, 0.0, 0)]
