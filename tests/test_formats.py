@@ -452,3 +452,48 @@ def test_a_failed_write_leaves_out_as_it_was(tmp_path, tok_dir, monkeypatch):
     prep(tok_dir, tmp_path / "out", [src], "text")
   assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
   assert not list(tmp_path.glob(".out.prepare-*"))
+
+
+def test_the_disk_estimate_holds_the_output_and_a_short_disk_is_refused(tmp_path, tok_dir,
+                                                                         monkeypatch, capsys):
+  """prepare's estimate of its output (from the inputs' bytes, Parquet uncompressed) is at least
+  what every format writes from JSONL and Parquet, repeats of a mixture included; with less free
+  space than the estimate, `prepare` is refused in one line with both numbers (exit 2) and writes
+  nothing, and --allow-low-disk runs it."""
+  from mtjax.data import tokenize
+  from mtjax.data.__main__ import main as prepare_main
+  pref = [{"prompt": "What is the capital of France?", "chosen": "Paris.", "rejected": "Rome."}]
+  estimates, ratios = {}, {}
+  real_usage = tokenize.shutil.disk_usage
+
+  def recorded(out, needed):  # the estimate each prepare checks
+    estimates[out] = needed
+  monkeypatch.setattr(tokenize, "check_disk", recorded)
+  for fmt, (rows, _) in {**ROWS, "preference": (pref * 3, None)}.items():
+    for kind in ("jsonl", "parquet"):
+      src = write_source(rows * 4, kind, tmp_path / f"{fmt}.{kind}")
+      out = tmp_path / f"out-{fmt}-{kind}"
+      prep(tok_dir, out, [src, src], fmt, epochs=[2.0, 1.5])
+      # tokens and masks against the estimate less its 1 MiB for the index files
+      written = sum(f.stat().st_size for f in out.iterdir()
+                    if f.suffix not in (".json", ".idx", ".prefix"))
+      assert written <= estimates[out] - 2**20, (fmt, kind, written, estimates[out])
+      ratios[fmt, kind] = written / (estimates[out] - 2**20)
+  monkeypatch.undo()
+  assert max(ratios.values()) > 0.3, ratios  # a bound, not a multiple of the output
+
+  src = write_source(ROWS["alpaca"][0] * 50, "jsonl", tmp_path / "a.jsonl")
+  free = real_usage(tmp_path).free
+  monkeypatch.setattr(tokenize.shutil, "disk_usage",
+                      lambda p: real_usage(p)._replace(free=1000))
+  args = ["--tokenizer", str(tok_dir), "--out", str(tmp_path / "short"), "--format", "alpaca",
+          "--quiet", str(src)]
+  with pytest.raises(SystemExit) as e:
+    prepare_main(["prepare", *args])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert e.value.code == 2 and len(err) == 1, err
+  assert re.search(r"--out: .* has 0\.0 MiB free, the prepared data may take \d+\.\d MiB", err[0])
+  assert "--allow-low-disk" in err[0] and not (tmp_path / "short").exists()
+  assert not list(tmp_path.glob(".short.*"))
+  prepare_main(["prepare", *args, "--allow-low-disk"])
+  assert (tmp_path / "short" / "meta.json").is_file() and free > 0

@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None):
                  help="seeds the held-out rows, a mixture's draws and its order")
   q.add_argument("--eos", default=None, help="EOS token (default: tokenizer_config.json eos_token)")
   q.add_argument("--quiet", action="store_true", help="no progress bar")
+  q.add_argument("--allow-low-disk", action="store_true",
+                 help="start even when --out's disk has less free space than the output may take")
   q.add_argument("inputs", nargs="+", help="files, folders of them, datasets folders")
   a = p.parse_args(argv)
   try:
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None):
                    a.workers, a.seed, a.eos, progress=not a.quiet,
                    columns=parse_pairs(a.columns, "--columns", tuple(FIELDS)),
                    roles=parse_pairs(a.roles, "--roles"), weights=a.weights, epochs=a.epochs,
-                   options=opts, strict=a.strict, log=print)
+                   options=opts, strict=a.strict, log=print, allow_low_disk=a.allow_low_disk)
     if a.json:
       Path(a.json).write_text(json.dumps(meta, indent=1) + "\n")
   except (ValueError, OSError) as e:

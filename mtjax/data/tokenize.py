@@ -355,6 +355,55 @@ def _check_out(out: Path) -> None:
       return
 
 
+# Tokens per input byte: a byte-level BPE makes at most one token per byte of text, and a row's
+# markup (JSON keys and quotes, CSV commas, Parquet's page headers) outweighs the tokens the chat
+# template adds (tests/test_formats.py: every format's output within 0.66 of the estimate).
+TOKENS_PER_INPUT_BYTE = 1.0
+
+
+def input_bytes(path: Path) -> int:
+  """A source's bytes as text: a Parquet file's uncompressed size (its metadata), a datasets
+  folder's files, any other file's size."""
+  if path.is_dir():
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+  if readers.kind(path) == "parquet":
+    try:
+      import pyarrow.parquet as pq  # noqa: PLC0415
+      meta = pq.ParquetFile(path).metadata
+      return max(path.stat().st_size,
+                 sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)))
+    except Exception:  # noqa: BLE001 - an unreadable file is counted (and refused) elsewhere
+      pass
+  return path.stat().st_size
+
+
+def output_estimate(sources: list[_Source], dtype: np.dtype, has_mask: bool, pairs: bool) -> int:
+  """Bytes the prepared files may take, from the inputs': each source's text bytes times the
+  times its rows are used (a mixture's repeats), TOKENS_PER_INPUT_BYTE tokens a byte, each token's
+  id and mask byte (both sides of a preference pair hold the prompt); plus 1 MiB of index files."""
+  total = 0.0
+  for src in sources:
+    used = (int(src.repeats.sum()) + int(src.is_val.sum())) / max(src.rows, 1)
+    total += sum(input_bytes(f) for f, _ in src.files) * max(used, 1.0)
+  per_token = dtype.itemsize + (1 if has_mask else 0)
+  return int(total * TOKENS_PER_INPUT_BYTE * per_token * (2 if pairs else 1)) + 2**20
+
+
+def _gib(n: float) -> str:
+  return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def check_disk(out: Path, needed: int) -> None:
+  """Refuses (ValueError, one line with both numbers) an --out whose file system has less free
+  space than `needed` bytes."""
+  where = next(p for p in (out, *out.parents) if p.exists())
+  free = shutil.disk_usage(where).free
+  if free < needed:
+    raise ValueError(f"--out: {where} has {_gib(free)} free, the prepared data may take "
+                     f"{_gib(needed)} (estimated from the inputs); free space, use another folder "
+                     f"or pass --allow-low-disk to accept the risk")
+
+
 def _numbers(values, option: str, n_inputs: int) -> list[float] | None:
   if values is None:
     return None
@@ -383,7 +432,7 @@ def prepare(tokenizer: str | Path, out: str | Path, inputs: list[str], fmt: str 
             eos: str | None = None, progress: bool = True, *, columns: dict | None = None,
             roles: dict | None = None, weights: list[float] | None = None,
             epochs: list[float] | None = None, options: Options | None = None,
-            strict: bool = False, log=None) -> dict:
+            strict: bool = False, log=None, allow_low_disk: bool = False) -> dict:
   """Tokenizes documents into a prepared directory (see the module docstring for its files).
 
   Args:
@@ -406,6 +455,8 @@ def prepare(tokenizer: str | Path, out: str | Path, inputs: list[str], fmt: str 
     options: train_on_prompt, last_turn_only, max_len and overflow.
     strict: a bad row or file is an error instead of being counted and skipped.
     log: called with each line of news (the auto-detected formats); None: quiet.
+    allow_low_disk: start even when the free space of --out's file system is below the estimate
+      of the output (`output_estimate`).
 
   Returns:
     The meta.json contents; "stats" holds the per-source counts of stats.json.
@@ -504,6 +555,8 @@ def prepare(tokenizer: str | Path, out: str | Path, inputs: list[str], fmt: str 
     mask_method = chat.ChatTemplate.from_tokenizer(tok_file).mask_method
   _plan(sources, val_fraction, seed, weights, epochs)
   mixture = len(sources) > 1 or weights is not None or epochs is not None
+  if not allow_low_disk:
+    check_disk(out, output_estimate(sources, dtype, has_mask, pairs))
 
   meta = {
       "format": fmt if fmt != "auto" else sorted({s.fmt for s in sources})[0]
