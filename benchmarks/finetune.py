@@ -40,7 +40,8 @@ def sh(*args, timeout=600):
   """Runs `python ARGS...` from the repository root; ends the script if it fails."""
   log("$ " + " ".join(args))
   r = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
-                     cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                     cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])})
   print(r.stdout[-3000:], r.stderr[-3000:] if r.returncode else "", flush=True)
   if r.returncode:
     raise SystemExit(f"failed: {args}")
