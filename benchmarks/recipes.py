@@ -1,7 +1,7 @@
 """Do the recipes users run after `prepare` work end to end, and what do they cost? On the
 Llama-3.2-1B shape (configs/llama3.2_1b.yaml, mtjax's own init), with a byte-level BPE tokenizer
 trained here and a ChatML template: SFT from a ShareGPT file, exported, then DPO from that export
-on a preference file of the same kind of questions (the right answer chosen, a wrong one
+on a preference file of the same kind of questions (the answer chosen, a refusal
 rejected), and the SFT batch in one pass beside the same batch in 4 passes (train.grad_accum). Each command runs in a process of its own,
 as a user runs it; `python -m mtjax.report` draws each run's curves.
 
@@ -55,12 +55,12 @@ def tokenizer(work: Path, vocab: int) -> Path:
 
 
 def questions(n: int, seed: int = 0):
-  """(question, right answer, wrong answer) of sums, a learnable task."""
+  """(question, answer, a refusal) of sums: a preference a model learns within 100 steps."""
   rng = random.Random(seed)
+  refusals = ["I do not know.", "Ask someone else.", "That is not my job.", "No idea, sorry."]
   for _ in range(n):
     a, b = rng.randrange(1000), rng.randrange(1000)
-    yield (f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}.",
-           f"{a} plus {b} is {a + b + rng.choice([-100, -10, -1, 1, 10, 100])}.")
+    yield f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}.", rng.choice(refusals)
 
 
 def write_sources(work: Path, n: int, pairs: int) -> tuple[Path, Path]:
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
                       f"train.export_dir={work / 'sft_export'}", "train.export_dtype=float32"))
     rows.append(train(out, "dpo_preference", config, *common, f"data.path={dpo}",
                       f"model.from_hf={work / 'sft_export'}",
-                      "train.objective=dpo", "train.dpo.beta=0.1", "optim.lr=1e-5",
+                      "train.objective=dpo", "train.dpo.beta=0.1", "optim.lr=2e-5",
                       f"train.steps={steps}", "train.batch=16", "train.seq=64"))
     for k in (1, 4):
       rows.append(train(out, f"sft_b32_accum{k}", config, *common, f"data.path={sft}",
