@@ -442,6 +442,10 @@ def soak(tmp_path, n_faults, kinds, monkeypatch, steps):
       assert code in (cli.BAD_INPUT, cli.IO_FAILURE), (code, err)
       if stage == "train" and str(w.prep) in err:  # the data is bad: prepare it again
         stage = "prepare"
+      elif stage == "train" and "reached already" in err:  # trained: export
+        stage = "export"
+      elif stage == "export" and "exists and is not an empty folder" in err:
+        stage = "done"  # a kill landed after the rename: the export is in place, whole
       elif stage == "export" and code == cli.BAD_INPUT:  # a damaged checkpoint: train again
         stage = "train"
     assert tree_bytes(w.out) == want, f"run {runs}: the export differs from the uninterrupted one"
