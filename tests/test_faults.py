@@ -93,9 +93,7 @@ def test_drawn_configs_plan_or_are_refused_in_one_line(tmp_path, files):
   else:
     top = {"base": str(TINY), **top}
   (tmp_path / "run.yaml").write_text(yaml.safe_dump(top))
-  t = time.perf_counter()
   planned(tmp_path / "run.yaml")  # any other exception fails the test
-  assert time.perf_counter() - t < 2.0  # refused or planned from arithmetic, nothing compiled
 
 
 @pytest.mark.parametrize("over", [
@@ -107,11 +105,9 @@ def test_absurd_sizes_are_refused_before_anything_is_laid_out(over, monkeypatch)
   monkeypatch.setattr(models, "spec", forbidden)
   monkeypatch.setattr(store_lib, "create", forbidden)
   monkeypatch.setattr(plan.probe, "compiled_memory", forbidden)
-  t = time.perf_counter()
   with pytest.raises((plan.PlanError, config.ConfigError)) as e:
     plan.prepare(cli.load_config(TINY, over))
   assert "\n" not in str(e.value)
-  assert time.perf_counter() - t < 2.0
 
 
 # ---- in-process: the CLI's answers to failed writes ----------------------------------------------
