@@ -1,8 +1,10 @@
 """How fast is DeepSpeed ZeRO-3 with CPU offload on an mtjax config's shape? The bench table's
 baseline.
 
-The same Llama shape through transformers' `LlamaForCausalLM`: fp32 parameters and AdamW state
-offloaded to (pinned) host memory, bf16 compute, activation checkpointing on, DeepSpeed's CPU Adam.
+The same model through transformers (`AutoModelForCausalLM` from the config.json the family writes
+on export: Llama, Qwen3-MoE, any family): fp32 parameters and AdamW state offloaded to (pinned) host
+memory, bf16 compute, activation checkpointing on, DeepSpeed's CPU Adam. Model TFLOP/s count active
+parameters (a mixture's chosen experts), as mtjax's records do.
 Appends one record in benchmarks/bench.py's format (system `deepspeed-zero3-offload`) to --out.
 
 Needs torch, transformers and deepspeed (an optional extra, never a dependency of mtjax). DeepSpeed
@@ -16,8 +18,9 @@ ships a source archive only: build a pure-Python wheel once with `bash benchmark
 --optimizer torch swaps DeepSpeed's compiled CPU Adam for torch's fused CPU AdamW (same ZeRO-3
 offload otherwise), for an image where the CPU Adam extension cannot be built.
 
---smoke builds configs/tiny.yaml's shape in transformers on the CPU and takes two plain torch AdamW
-steps without DeepSpeed (which needs a GPU): the shape translation and the record, in seconds.
+--smoke builds configs/tiny.yaml's shape (and with --config another, e.g. a tiny mixture) in
+transformers on the CPU and takes two plain torch AdamW steps without DeepSpeed (which needs a GPU):
+the shape translation and the record, in seconds.
 """
 
 from __future__ import annotations
@@ -59,14 +62,14 @@ def ds_config(cfg: config_lib.Config) -> dict:
   }
 
 
-def llama_config(m: config_lib.ModelConfig, seq: int):
-  from transformers import LlamaConfig
-  return LlamaConfig(vocab_size=m.vocab_size, hidden_size=m.hidden, intermediate_size=m.ffn,
-                     num_hidden_layers=m.layers, num_attention_heads=m.heads,
-                     num_key_value_heads=m.n_kv_heads, head_dim=m.dim_per_head,
-                     max_position_embeddings=seq, rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta,
-                     tie_word_embeddings=m.tie_embeddings, attention_bias=m.qkv_bias,
-                     use_cache=False, attn_implementation="sdpa")
+def hf_model(m: config_lib.ModelConfig, seq: int):
+  """transformers' model of this shape, built from the config.json mtjax's family writes."""
+  from transformers import AutoConfig, AutoModelForCausalLM
+  from mtjax import models
+  conf = dict(models.get(m.family).write_config(m, "float32"))
+  conf.update(use_cache=False, max_position_embeddings=max(seq, conf.get("max_position_embeddings") or 0))
+  conf = AutoConfig.for_model(conf.pop("model_type"), **conf)
+  return AutoModelForCausalLM.from_config(conf, attn_implementation="sdpa")
 
 
 def main(argv=None) -> int:
@@ -81,8 +84,9 @@ def main(argv=None) -> int:
                  help="tiny shape, CPU, torch AdamW without DeepSpeed, in seconds")
   argv = sys.argv[1:] if argv is None else list(argv)
   if "--smoke" in argv:
-    argv = ["--config", str(Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"),
-            "--warmup", "1", "--steps", "1", *argv, "engine.compute_dtype=float32"]
+    tiny = str(Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml")
+    argv = ([] if "--config" in argv else ["--config", tiny]) + [
+        "--warmup", "1", "--steps", "1", *argv, "engine.compute_dtype=float32"]
   args, cfg = cli.parse_cli(p, argv)
   if args.smoke:
     return smoke(args, cfg)
@@ -91,7 +95,6 @@ def main(argv=None) -> int:
     os.environ.setdefault(k, v)
   import deepspeed
   import torch
-  from transformers import LlamaForCausalLM
 
   m, t = cfg.model, cfg.train
   if cfg.engine.device_memory_gb is not None:  # as on a smaller card: torch's allocator is capped
@@ -104,7 +107,7 @@ def main(argv=None) -> int:
     conf["zero_force_ds_cpu_optimizer"] = False
   torch.set_default_dtype(torch.float32)
   with deepspeed.zero.Init(config_dict_or_path=conf):  # parameters go to host memory as built
-    model = LlamaForCausalLM(llama_config(m, t.seq))
+    model = hf_model(m, t.seq)
   model.gradient_checkpointing_enable()
   client_opt = None
   if args.optimizer == "torch":
@@ -136,9 +139,8 @@ def main(argv=None) -> int:
 def smoke(args, cfg: config_lib.Config) -> int:
   """The model and the record without DeepSpeed: plain torch AdamW on the CPU."""
   import torch
-  from transformers import LlamaForCausalLM
   torch.manual_seed(0)
-  model = LlamaForCausalLM(llama_config(cfg.model, cfg.train.seq))
+  model = hf_model(cfg.model, cfg.train.seq)
   n_params = sum(q.numel() for q in model.parameters())
   expected = plan.param_counts(cfg.model)["total"]
   if n_params != expected:
@@ -178,12 +180,14 @@ def timed(args, cfg: config_lib.Config, step, n_params: int, device: str) -> dic
     print(f"step {i}: loss {loss:.4f}, {time.perf_counter() - t0:.3f} s", flush=True)
   step_s = statistics.median(times)
   tokens = t.batch * t.seq
+  active = plan.param_counts(m)["active"] if n_params == plan.param_counts(m)["total"] else n_params
   rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
   record = {
       "system": "deepspeed-zero3-offload", "params": n_params, "hidden": m.hidden,
       "layers": m.layers, "batch": t.batch, "seq": t.seq, "step_s": step_s,
-      "tokens_per_s": tokens / step_s, "model_tflops": 6 * n_params * tokens / step_s / 1e12,
+      "active_params": active, "tokens_per_s": tokens / step_s,
+      "model_tflops": 6 * active * tokens / step_s / 1e12,
       "hw_tflops": None, "host_bytes_per_param": rss / n_params,  # peak RSS, not state alone
       "device_peak_gib": peak, "h2d_gbps": None, "d2h_gbps": None,
       "host_opt_gparams_per_s": None, "gpu_idle_frac": None, "roofline_s": None, "loss": loss,

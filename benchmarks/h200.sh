@@ -18,8 +18,11 @@
 #   defaults     default configs beside plain JAX: the Llama-3.2-1B shape at 8 x 1024 (bench.py,
 #                mtjax and jax-all-gpu side by side), the Qwen2.5-14B shape at 8 x 2048, 8B at 1 x 32768
 #   largest      the largest shape the planner fits: the Qwen2.5-14B width with 50 layers
-#   qwen3-moe    a Qwen3-MoE of Qwen3-30B-A3B width, 4 layers, default placement
+#   qwen3-moe    a Qwen3-MoE of Qwen3-30B-A3B width, 4 layers, default placement; then DeepSpeed
+#                ZeRO-3 offload on transformers' Qwen3-MoE of the same shape (carry .whl)
 #   moe-kernels  the grouped expert matmul against a dense chain (benchmarks/moe_kernels.py)
+#   attention    each attention kernel per layer variant: packed documents, head width 256,
+#                soft-capped logits, windows (benchmarks/attention_kernels.py)
 #   finetune     a 1B Hugging Face Llama fine-tuned 200 steps, exported, checked (finetune.py)
 #   context      long context: 3.37B at 32k and 128k whole, 512k on a slice; 8B at 32k and 128k
 #                on slices; 1B at 512k on a slice
@@ -38,7 +41,7 @@ if [ -z "$DRY" ] && ls .whl/*.whl >/dev/null 2>&1; then
 fi
 OUT=$(realpath -m "${OUT:-benchmarks/results/h200}")
 TABLES="gpu-check sanity placement bench-b8 bench-b32 families recipes defaults largest qwen3-moe moe-kernels
-finetune context context-8b context-1m"
+attention finetune context context-8b context-1m"
 quiet() { grep -v "bfc_allocator\|^W12\|^I12\|^E12"; }
 
 x() {  # x LOG TIMEOUT COMMAND...: runs COMMAND (output to LOG), or prints it under --dry-run
@@ -107,9 +110,15 @@ table() {
     largest)
       train "$dir" qwen14b_50_layers 300 --config configs/qwen2.5_14b.yaml model.layers=50 train.steps=4 ;;
     qwen3-moe)
-      train "$dir" qwen3_moe 130 --config configs/qwen3_moe_4l.yaml train.steps=6 ;;
+      train "$dir" qwen3_moe 130 --config configs/qwen3_moe_4l.yaml train.steps=6
+      if ls .whl/deepspeed-*.whl >/dev/null 2>&1 || [ -n "$DRY" ]; then
+        x "$dir/deepspeed.log" 400 python3 benchmarks/deepspeed_baseline.py \
+          --config configs/qwen3_moe_4l.yaml --warmup 1 --steps 2 --optimizer ds --out "$dir/deepspeed.json"
+      fi ;;
     moe-kernels)
       x "$dir/log" 200 python3 benchmarks/moe_kernels.py --out "$dir" --shapes qwen3-30b-a3b,gpt-oss-20b ;;
+    attention)
+      x "$dir/log" 300 python3 benchmarks/attention_kernels.py --out "$dir/attention.json" ;;
     finetune)
       x "$dir/log" 560 python3 benchmarks/finetune.py "$dir" --steps 200 ;;
     context)

@@ -23,6 +23,7 @@ FIELDS = {"system", "params", "hidden", "layers", "batch", "seq", "step_s", "tok
 SMOKES = {"bench.py": "test_bench_smoke_runs_every_system_and_records_the_fields",
           "long_context.py": "test_long_context_smoke_extrapolates_a_slice",
           "moe_kernels.py": "test_moe_kernels_smoke_checks_each_implementation_against_float32",
+          "attention_kernels.py": "test_attention_kernels_smoke_checks_each_kernel_against_float32",
           "deepspeed_baseline.py": "test_deepspeed_baseline_smoke_builds_the_same_shape",
           "gpu_check.py": "test_gpu_check_smoke_holds_the_engine_to_the_reference",
           "finetune.py": "test_finetune_smoke_exports_what_transformers_reads_back",
@@ -123,15 +124,44 @@ def test_moe_kernels_smoke_checks_each_implementation_against_float32(tmp_path):
     assert max(r["ragged error"].values()) < 1e-2, r  # bf16 operands against float32
 
 
-def test_deepspeed_baseline_smoke_builds_the_same_shape(tmp_path):
-  """transformers' Llama built from the config has mtjax's parameter count (the smoke refuses
-  otherwise), and the record says what a step took."""
+def test_attention_kernels_smoke_checks_each_kernel_against_float32(tmp_path):
+  import attention_kernels  # noqa: PLC0415
+  out = tmp_path / "attention.json"
+  assert attention_kernels.main(["--smoke", "--out", str(out)]) == 0
+  rows = json.loads(out.read_text())
+  assert {(r["variant"], r["impl"]) for r in rows} == {
+      (v, i) for v in attention_kernels.SMOKE for i in ("xla", "blockwise")}
+  for r in rows:  # fp32 on the CPU: the two kernels sum in another order, nothing more
+    assert r["ms"] > 0 and r["rel_err"] < 1e-5, r
+  # the pairs a query sees: causal, cut by documents and by the window, counted by hand
+  seg = attention_kernels.documents(1, 6, 2, seed=1)
+  cut = seg[0].tolist().index(2)
+  assert attention_kernels.visible_pairs(1, 6, seg, None) == (
+      cut * (cut + 1) // 2 + (6 - cut) * (7 - cut) // 2)
+  assert attention_kernels.visible_pairs(2, 6, None, 2) == 2 * (1 + 2 * 5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_deepspeed_baseline_smoke_builds_the_same_shape(tmp_path, family):
+  """transformers' model built from the family's config.json has mtjax's parameter count (the
+  smoke refuses otherwise), and the record says what a step took, a mixture's TFLOP/s from its
+  active parameters."""
   import deepspeed_baseline  # noqa: PLC0415
   from mtjax import config, plan  # noqa: PLC0415
+  cfg_path = TINY
+  if family == "qwen3_moe":
+    cfg_path = tmp_path / "moe.yaml"
+    cfg_path.write_text(f"base: {ROOT / 'configs' / 'qwen3_moe_4l.yaml'}\n"
+                        "model: {vocab_size: 256, hidden: 64, layers: 2, heads: 4, kv_heads: 2, "
+                        "head_dim: 16, ffn: 96, moe: {experts: 4, experts_per_token: 2, "
+                        "expert_ffn: 32}}\ntrain: {batch: 8, seq: 64}\n")
   out = tmp_path / "ds.json"
-  assert deepspeed_baseline.main(["--smoke", "--out", str(out)]) == 0
+  assert deepspeed_baseline.main(["--smoke", "--config", str(cfg_path), "--out", str(out)]) == 0
   [rec] = json.loads(out.read_text())
-  assert rec["params"] == plan.param_counts(config.load(TINY).model)["total"]
+  counts = plan.param_counts(config.load(cfg_path).model)
+  assert rec["params"] == counts["total"] and rec["active_params"] == counts["active"]
+  assert (counts["active"] < counts["total"]) == (family == "qwen3_moe")
+  assert rec["model_tflops"] == pytest.approx(6 * counts["active"] * 8 * 64 / rec["step_s"] / 1e12)
   assert rec["tokens_per_s"] * rec["step_s"] == pytest.approx(8 * 64)
   assert math.isfinite(rec["loss"])
 
