@@ -30,6 +30,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mtjax import attention  # noqa: E402
 
+from moe_kernels import median_time  # noqa: E402  (benchmarks/ is on the path beside it)
+
 # name: (B, T, N, K, H, options); options: docs (documents per row), softcap, window
 VARIANTS = {
     "llama-8b": (8, 2048, 32, 8, 128, {}),
@@ -124,14 +126,14 @@ def run(variants, impls, dtype, reps):
     flops = 4 * N * H * visible_pairs(B, T, seg, opts.get("window")) * 3.5
     args = tuple(x.astype(dtype) for x in (q, k, v, ct))
     for impl in impls:
-      if impl.startswith("cudnn") and ("softcap" in opts or (impl == "cudnn-packed") != (seg is not None)):
-        continue  # the fused kernel takes no soft-cap; the packed layout only packed rows
+      if (impl.startswith("cudnn") and "softcap" in opts) or (impl == "cudnn-packed" and seg is None):
+        continue  # the fused kernel takes no soft-cap; the packed layout is for packed rows only
       row = {"variant": name, "impl": impl, "B": B, "T": T, "N": N, "K": K, "H": H, **opts}
       try:
         f = fwd_bwd(kernel(impl, seg, opts))
         got = f(*args)
         row["rel_err"] = max(rel(g, w) for g, w in zip(got, want))
-        row["ms"] = 1e3 * median_s(f, args, reps)
+        row["ms"] = 1e3 * median_time(f, *args, reps=reps)
         row["tflops"] = flops / row["ms"] / 1e9
       except Exception as e:  # noqa: BLE001 - a kernel that refuses a shape is a row, not a crash
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"

@@ -180,7 +180,8 @@ def timed(args, cfg: config_lib.Config, step, n_params: int, device: str) -> dic
     print(f"step {i}: loss {loss:.4f}, {time.perf_counter() - t0:.3f} s", flush=True)
   step_s = statistics.median(times)
   tokens = t.batch * t.seq
-  active = plan.param_counts(m)["active"] if n_params == plan.param_counts(m)["total"] else n_params
+  counts = plan.param_counts(m)
+  active = counts["active"] if n_params == counts["total"] else n_params
   rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
   record = {
