@@ -424,8 +424,10 @@ def main(argv=None):
   first = max([cfg, *variants.values()], key=lambda c: plan_lib.make(
       c, plan_lib.host_memory_limit()).pinned)
   plan_lib.prepare(first)
-  resolved = {None: plan_lib.prepare(cfg)[0]}
-  resolved.update({k: plan_lib.prepare(c)[0] for k, c in variants.items()})
+  prepared = {None: plan_lib.prepare(cfg)}
+  prepared.update({k: plan_lib.prepare(c) for k, c in variants.items()})
+  resolved = {k: c for k, (c, _) in prepared.items()}
+  plans = {k: p for k, (_, p) in prepared.items()}
   if variants:
     i = systems.index("mtjax") + 1 if "mtjax" in systems else 0
     systems[i:i] = list(variants)
@@ -495,7 +497,10 @@ def main(argv=None):
           device_state_layers=c.engine.device_state_layers,
           device_memory_gb=c.engine.device_memory_gb, optim_threads=c.optim.threads,
           devices=c.engine.devices,
-          cpu_by_thread=r["cpu"], own_roofline_s=own_roofline))
+          cpu_by_thread=r["cpu"], own_roofline_s=own_roofline,
+          # The planner's simulated step with the machine's rates it plans with, as a run prints.
+          plan_schedule_s=plans.get(system, plans[None]).schedule_s,
+          plan_schedule_best_s=plans.get(system, plans[None]).schedule_best_s))
     elif system == "jax-all-gpu":
       try:
         r = run_all_gpu(resolved[None], batches, args.warmup, args.steps, attention)
@@ -516,7 +521,7 @@ def main(argv=None):
   print()
   hdr = (f"{'system':<20}{'devs':>5}{'step s':>9}{'tokens/s':>11}{'model TF':>10}{'+attn TF':>10}"
          f"{'of ceil':>9}{'hw TF':>8}{'GPU idle':>10}{'dev GiB':>9}{'opt Gp/s':>10}"
-         f"{'own roof':>10}{'scaling':>9}")
+         f"{'own roof':>10}{'plan':>8}{'scaling':>9}")
   print(hdr)
   for r in records:
     idle = r.get("gpu_idle_frac")
@@ -524,12 +529,14 @@ def main(argv=None):
     opt = r.get("achieved_opt_gparams_per_s")
     own = r.get("own_roofline_s")
     eff = r.get("scaling_efficiency")
+    sched = r.get("plan_schedule_s")
     print(f"{r['system']:<20}{r.get('devices') or '':>5}{r['step_s']:>9.3f}"
           f"{r['tokens_per_s']:>11,.0f}{r['model_tflops']:>10.1f}"
           f"{r['tflops_with_attention']:>10.1f}{r['ceiling_frac_with_attention']:>9.1%}"
           f"{r['hw_tflops']:>8.1f}{'' if idle is None else f'{idle:.1%}':>10}"
           f"{'' if peak is None else f'{peak:.1f}':>9}{'' if not opt else f'{opt:.2f}':>10}"
-          f"{'' if own is None else f'{own:.3f}':>10}{'' if eff is None else f'{eff:.0%}':>9}")
+          f"{'' if own is None else f'{own:.3f}':>10}{'' if sched is None else f'{sched:.3f}':>8}"
+          f"{'' if eff is None else f'{eff:.0%}':>9}")
   print("roofline terms (s): " + ", ".join(f"{k} {v:.3f}" for k, v in roof.items()))
 
   if args.out:

@@ -15,8 +15,11 @@
 #   families     default configs: DeepSeek-V2-Lite, Gemma 2 9B, GPT-OSS-20B (bf16 moments)
 #   recipes      the 1B Llama-3.2 shape: SFT from a ShareGPT file, DPO from its export on preference
 #                rows (100 steps each), batch 32 in one pass and in 4 (benchmarks/recipes.py)
-#   defaults     default configs beside plain JAX: the Llama-3.2-1B shape at 8 x 1024 (bench.py,
-#                mtjax and jax-all-gpu side by side), the Qwen2.5-14B shape at 8 x 2048, 8B at 1 x 32768
+#   defaults     default configs, plan beside measured, plain JAX beside them where it fits: the
+#                Llama-3.2-1B shape at 8 x 1024 and 3.37B at 8 x 2048 (bench.py: mtjax and
+#                jax-all-gpu in one process), 3.37B at 32 x 2048
+#   defaults-large  default configs, plan beside measured: 8B at 8 x 2048 and 1 x 32768, the
+#                Qwen2.5-14B shape at 8 x 2048 (host RAM and GPU memory together: the H200 only)
 #   largest      the largest shape the planner fits: the Qwen2.5-14B width with 50 layers
 #   qwen3-moe    a Qwen3-MoE of Qwen3-30B-A3B width, 4 layers, default placement; then DeepSpeed
 #                ZeRO-3 offload on transformers' Qwen3-MoE of the same shape (carry .whl)
@@ -40,7 +43,7 @@ if [ -z "$DRY" ] && ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site:$PWD
 fi
 OUT=$(realpath -m "${OUT:-benchmarks/results/h200}")
-TABLES="gpu-check sanity placement bench-b8 bench-b32 families recipes defaults largest qwen3-moe moe-kernels
+TABLES="gpu-check sanity placement bench-b8 bench-b32 families recipes defaults defaults-large largest qwen3-moe moe-kernels
 attention finetune context context-8b context-1m"
 quiet() { grep -v "bfc_allocator\|^W12\|^I12\|^E12"; }
 
@@ -103,10 +106,15 @@ table() {
     recipes)
       x "$dir/log" 560 python3 benchmarks/recipes.py "$dir" --steps 100 ;;
     defaults)
-      x "$dir/bench_1b.log" 170 python3 benchmarks/bench.py --config configs/llama3.2_1b.yaml \
+      x "$dir/bench_1b.log" 150 python3 benchmarks/bench.py --config configs/llama3.2_1b.yaml \
         --systems mtjax,jax-all-gpu --no-idle --steps 5 --out "$dir/bench_1b.json"
-      train "$dir" qwen14b 190 --config configs/qwen2.5_14b.yaml train.steps=5
-      train "$dir" 8b_32k 170 --config configs/llama3_8b.yaml train.seq=32768 train.steps=4 ;;
+      x "$dir/bench_3b.log" 200 python3 benchmarks/bench.py --config configs/llama_3b.yaml \
+        --systems mtjax,jax-all-gpu --no-idle --warmup 1 --steps 4 --out "$dir/bench_3b.json"
+      train "$dir" 3b_b32 130 --config configs/llama_3b.yaml train.batch=32 train.steps=4 ;;
+    defaults-large)
+      train "$dir" 8b_b8 130 --config configs/llama3_8b.yaml train.batch=8 train.seq=2048 train.steps=5
+      train "$dir" 8b_32k 140 --config configs/llama3_8b.yaml train.seq=32768 train.steps=4
+      train "$dir" qwen14b 230 --config configs/qwen2.5_14b.yaml train.steps=5 ;;
     largest)
       train "$dir" qwen14b_50_layers 300 --config configs/qwen2.5_14b.yaml model.layers=50 train.steps=4 ;;
     qwen3-moe)
