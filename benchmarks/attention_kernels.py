@@ -7,7 +7,8 @@ chat data is; a head width of 256; Gemma 2's soft-capped logits; a sliding windo
 forward and backward (the gradients of q, k and v) is timed per kernel that takes the variant:
 `cudnn` (jax.nn.dot_product_attention's fused kernel; packed documents as a boolean mask, which
 jax turns into an additive bias), `cudnn-packed` (cuDNN's packed layout: each row's documents as
-offsets and lengths, no [T x S] tensor; Hopper GPUs), `xla` (mtjax.attention.dense_attention, the
+offsets and lengths, no [T x S] tensor; Hopper GPUs), `pallas` (jax's Triton flash attention,
+segment ids, keys and values repeated per query head), `xla` (mtjax.attention.dense_attention, the
 scores whole) and `blockwise` (mtjax.attention.blockwise_attention). Correctness: the output and
 the three gradients against the float32 scores-whole reference on the same inputs, relative L2
 error (bf16 operands: under 2e-2). TFLOP/s count the matmuls of the keys each query sees (causal,
@@ -86,6 +87,15 @@ def kernel(impl, seg, opts):
     return lambda q, k, v: fa.dot_product_attention(
         q, k, v, None, None, lens, lens, offs, offs, scale=1.0 / np.sqrt(q.shape[-1]),
         mask_type=fa.MaskType.PADDING_CAUSAL)
+  if impl == "pallas":  # jax's Triton flash attention: segment ids, no window or cap; k, v repeated
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention  # noqa: PLC0415
+    segs = None if seg is None else jnp.asarray(seg)
+
+    def f(q, k, v):
+      r = q.shape[2] // k.shape[2]
+      return pallas_attention.mha(q, jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2), segs,
+                                  sm_scale=1.0 / np.sqrt(q.shape[-1]), causal=True)
+    return f
   fn = attention.blockwise_attention if impl == "blockwise" else attention.dense_attention
   segs = None if seg is None else jnp.asarray(seg)
   return lambda q, k, v: fn(q, k, v, segments_q_BxT=segs, causal=True, window=window,
@@ -126,8 +136,9 @@ def run(variants, impls, dtype, reps):
     flops = 4 * N * H * visible_pairs(B, T, seg, opts.get("window")) * 3.5
     args = tuple(x.astype(dtype) for x in (q, k, v, ct))
     for impl in impls:
-      if (impl.startswith("cudnn") and "softcap" in opts) or (impl == "cudnn-packed" and seg is None):
-        continue  # the fused kernel takes no soft-cap; the packed layout is for packed rows only
+      if ((impl.startswith("cudnn") and "softcap" in opts) or (impl == "cudnn-packed" and seg is None)
+          or (impl == "pallas" and ("softcap" in opts or "window" in opts))):
+        continue  # the fused kernels take no soft-cap (Triton's no window); packed layout: packed rows
       row = {"variant": name, "impl": impl, "B": B, "T": T, "N": N, "K": K, "H": H, **opts}
       try:
         f = fwd_bwd(kernel(impl, seg, opts))
@@ -151,7 +162,7 @@ def main(argv=None) -> int:
   p.add_argument("--reps", type=int, default=10)
   a = p.parse_args(argv)
   gpu = jax.devices()[0].platform == "gpu" and not a.smoke
-  impls = ["cudnn", "cudnn-packed", "xla", "blockwise"] if gpu else ["xla", "blockwise"]
+  impls = ["cudnn", "cudnn-packed", "pallas", "xla", "blockwise"] if gpu else ["xla", "blockwise"]
   rows = run(SMOKE if a.smoke else VARIANTS, impls, jnp.bfloat16 if gpu else jnp.float32,
              2 if a.smoke else a.reps)
   bad = [r for r in rows if r.get("rel_err", 0) > (2e-2 if gpu else 1e-5)]

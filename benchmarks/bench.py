@@ -379,6 +379,22 @@ def draw_timeline(path, lane_map, t0, t1, title):
   plt.close(fig)
 
 
+def packed(b: data.Batch, docs: int, step: int) -> data.Batch:
+  """The batch with `docs` documents of random lengths per row: segment ids 1..docs and RoPE
+  positions restarting at each document, as `mtjax.data prepare` packs them."""
+  if docs <= 1:
+    return b
+  B, T = b.inputs.shape
+  rng = np.random.default_rng([step, docs])
+  seg = np.empty((B, T), np.int32)
+  pos = np.empty((B, T), np.int32)
+  for r in range(B):
+    starts = np.concatenate([[0], np.sort(rng.choice(np.arange(1, T), docs - 1, replace=False))])
+    seg[r] = np.searchsorted(starts, np.arange(T), side="right")
+    pos[r] = np.arange(T) - starts[seg[r] - 1]
+  return dataclasses.replace(b, positions=pos, segments=seg)
+
+
 # ---- main -----------------------------------------------------------------------------------
 
 SMOKE = ["--config", str(Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"),
@@ -403,6 +419,9 @@ def main(argv=None):
   p.add_argument("--no-idle", action="store_true",
                  help="skip the GPU-idle column (it times the layers again with every weight "
                       "resident: one more model's weights in device memory)")
+  p.add_argument("--docs", type=int, default=0,
+                 help="pack each synthetic row with this many documents of random lengths (segment "
+                      "ids and positions as prepared data carries them; the mtjax systems only)")
   p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[ KEY=VALUE...]",
                  help="also time the engine with these overrides, as system mtjax:NAME")
   args, cfg = cli.parse_cli(p, argv)
@@ -447,8 +466,12 @@ def main(argv=None):
         f"host AdamW {opt_rate:.2f} Gparam/s", flush=True)
 
   n = work["params"]
-  batches = lambda i: data.synthetic_batch(i, cfg.train.batch, cfg.train.seq,
-                                           cfg.model.vocab_size, cfg.train.seed)
+  batches = lambda i: packed(data.synthetic_batch(i, cfg.train.batch, cfg.train.seq,
+                                                  cfg.model.vocab_size, cfg.train.seed),
+                             args.docs, i)
+  if args.docs and "jax-all-gpu" in systems:
+    systems.remove("jax-all-gpu")
+    print("jax-all-gpu: skipped (it takes no document mask)")
   # The roofline is the planner's, with this machine's rates measured above.
   measured = plan_lib.Rates(matmul_tflops=mm, h2d_gbps=h2d, d2h_gbps=d2h,
                             host_adamw_gparams=opt_rate)

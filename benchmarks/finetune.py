@@ -1,8 +1,8 @@
 """Does fine-tuning a Hugging Face model work end to end, and how fast is it beside mtjax's own
 init? With no hub: build a ~1B Llama-3.2-shaped model with transformers, train a BPE tokenizer on
 real text found on the machine (Python's standard library sources), prepare the data, fine-tune
-with `model.from_hf` (held-out loss every 50 steps), export, load the export with transformers and
-compare its logits with mtjax's; then time the same shape from mtjax's own init. Each mtjax
+with `model.from_hf` (held-out loss every 50 steps), export, time the same shape from mtjax's own
+init, then load the export with transformers and compare its logits with mtjax's. Each mtjax
 command runs in a process of its own, as a user runs it.
 
     PYTHONUNBUFFERED=1 python benchmarks/finetune.py OUTDIR [--steps 200] [--smoke]
@@ -162,13 +162,14 @@ def main(argv=None) -> int:
     ft = json.loads((out / "finetune.json").read_text())
     log(f"fine-tune: loss {ft['first_loss']:.3f} -> {ft['final_loss']:.3f}, held-out "
         f"{ft['held_out']}, {ft['tokens_per_s']:,.0f} tokens/s")
-    rel, agree = export_vs_mtjax(work, model_dir, data_dir, V, "cpu" if args.smoke else "cuda")
     sh("-m", "mtjax.train", "--config", "configs/finetune.yaml", "--no-progress",
        "--json", str(out / "own_init.json"), "data.source=prepared", f"data.path={data_dir}",
        f"train.steps={min(20, steps)}", f"model.vocab_size={V}", f"model.hidden={D}",
        f"model.layers={L}", f"model.heads={H}", f"model.kv_heads={KV}", f"model.ffn={F}",
        "model.tie_embeddings=true", "model.rope_theta=500000.0",
        f"train.run_dir={work / 'run_own'}", *common)
+    # Last: this process's own jax and torch then hold GPU memory that no run of mtjax plans for.
+    rel, agree = export_vs_mtjax(work, model_dir, data_dir, V, "cpu" if args.smoke else "cuda")
   own = json.loads((out / "own_init.json").read_text())
   summary = {"hf_params": n_params, "finetune": ft, "own_init": own, "logits_rel_err": rel,
              "argmax_agreement": agree}

@@ -223,8 +223,9 @@ BLOCKWISE_FROM_SEQ = 4096
 def attention_impl(choice: str, device: jax.Device, compute_dtype: str, cfg: ModelConfig,
                    seq: int = 0) -> str:
   """`auto` takes cuDNN's fused (flash) attention where it applies: on a GPU, in bf16, for head
-  widths it supports (packed documents then go to the blockwise kernel, which takes their mask);
-  elsewhere XLA's attention for short sequences, the blockwise one (mtjax.attention) for long."""
+  widths it supports (packed documents as a mask up to layers.CUDNN_MASK_MAX_SEQ tokens, longer
+  ones by the blockwise kernel); elsewhere XLA's attention for short sequences, the blockwise one
+  (mtjax.attention) for long."""
   if choice != "auto":
     return choice
   _, hd, hv = models.spec(cfg).attention_widths

@@ -191,24 +191,33 @@ def softcap(x, cap: float | None):
   return x if cap is None else jnp.tanh(x / cap) * cap
 
 
+# Packed rows up to this many tokens take cuDNN's kernel with their documents as a mask (the
+# mask's bias is B x T x T bf16: 64 MiB at 8 x 2048); longer ones the blockwise kernel.
+CUDNN_MASK_MAX_SEQ = 4096
+
+
 def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, segments_BxT, *, implementation: str | None,
            window: int | None = None, softcap_: float | None = None, scale: float | None = None,
            sinks_N=None):
   """Causal attention over the sequence with the layer's options, by the chosen kernel.
 
-  cuDNN's fused kernel takes a causal window but no document mask, logit cap, sinks or value
-  width of its own: those go to the blockwise kernel, which takes them all and never builds a
+  cuDNN's fused kernel takes a causal window, and packed documents as a [B, 1, T, T] mask up to
+  CUDNN_MASK_MAX_SEQ tokens; it takes no logit cap, sinks or value width of its own: those (and
+  longer packed rows) go to the blockwise kernel, which takes them all and never builds a
   [T x T] tensor. `xla` computes the scores whole (short sequences, the CPU).
   """
-  fused_ok = (segments_BxT is None and softcap_ is None and sinks_N is None
-              and v_BxSxKxV.shape[-1] == q_BxTxNxH.shape[-1])
+  T = q_BxTxNxH.shape[1]
+  fused_ok = (softcap_ is None and sinks_N is None and v_BxSxKxV.shape[-1] == q_BxTxNxH.shape[-1]
+              and (segments_BxT is None or T <= CUDNN_MASK_MAX_SEQ))
   impl = implementation
   if impl == "cudnn" and not fused_ok:
     impl = "blockwise"
   if impl == "cudnn":
     local = None if window is None else (window - 1, 0)
-    return jax.nn.dot_product_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, is_causal=True,
-                                        scale=scale, local_window_size=local,
+    mask = (None if segments_BxT is None
+            else segments_BxT[:, None, :, None] == segments_BxT[:, None, None, :])
+    return jax.nn.dot_product_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, mask=mask,
+                                        is_causal=True, scale=scale, local_window_size=local,
                                         implementation="cudnn")
   kw = dict(segments_q_BxT=segments_BxT, segments_k_BxS=segments_BxT, causal=True, scale=scale,
             window=window, softcap=softcap_, sinks_N=sinks_N)
