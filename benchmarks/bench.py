@@ -480,7 +480,7 @@ def main(argv=None):
   base = {"params": n, "hidden": cfg.model.hidden, "layers": cfg.model.layers,
           "batch": cfg.train.batch, "seq": cfg.train.seq, "h2d_gbps": h2d, "d2h_gbps": d2h,
           "host_opt_gparams_per_s": opt_rate, "roofline_s": roofline_s, "matmul_tflops": mm,
-          "attention": attention, "jax_version": jax.__version__, "device": str(dev)}
+          "attention": attention, "docs_per_row": args.docs, "jax_version": jax.__version__, "device": str(dev)}
 
   def record(system, step_s, **kw):
     r = dict(system=system, **base, step_s=step_s, tokens_per_s=work["tokens"] / step_s,
