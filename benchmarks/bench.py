@@ -67,7 +67,10 @@ def matmul_tflops(device, n=8192, reps=10) -> float:
   return 2 * n**3 / _median_time(lambda: f(a, b), reps) / 1e12
 
 
-def link_gbps(device, nbytes=2 * GiB, reps=5) -> tuple[float, float]:
+LINK_BYTES = 2 * GiB  # the link probe's buffer on the GPU
+
+
+def link_gbps(device, nbytes=LINK_BYTES, reps=5) -> tuple[float, float]:
   """(host->device, device->host) GB/s between pinned host memory and the device."""
   kind = store_lib.host_memory_kind(device)
   if kind is None:
@@ -438,8 +441,18 @@ def main(argv=None):
     except config_lib.ConfigError as e:
       print(f"--variant {name}: {e}", file=sys.stderr)
       return 2
+    c = variants["mtjax:" + name]
+    if c.model != cfg.model or (c.train.batch, c.train.seq) != (cfg.train.batch, cfg.train.seq):
+      print(f"--variant {name}: changes the model or the batch shape; variants compare settings "
+            f"of one shape (run the other shape as a bench of its own)", file=sys.stderr)
+      return 2
   # Every variant is planned once; the first plan sets the pinned pool before the backend starts,
   # so it is made for the variant that pins the most.
+  pinned = max(plan_lib.make(c, plan_lib.host_memory_limit()).pinned
+               for c in [cfg, *variants.values()])
+  # The link probe pins two buffers of its own beside what the runs pin.
+  os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB",
+                        str(plan_lib.pinned_pool_bytes(pinned + 2 * LINK_BYTES) // GiB))
   first = max([cfg, *variants.values()], key=lambda c: plan_lib.make(
       c, plan_lib.host_memory_limit()).pinned)
   plan_lib.prepare(first)
@@ -459,7 +472,7 @@ def main(argv=None):
 
   small = dev.platform == "cpu"  # the ceilings at GPU sizes would take minutes on a CPU
   mm = matmul_tflops(dev, n=512 if small else 8192)
-  h2d, d2h = link_gbps(dev, nbytes=16 * 2**20 if small else 2 * GiB)
+  h2d, d2h = link_gbps(dev, nbytes=16 * 2**20 if small else LINK_BYTES)
   block_size = max(models.spec(cfg.model).counts[k] for k in models.spec(cfg.model).kinds)
   opt_rate = host_adamw_gparams(cfg.optim, max(block_size, 2**20))
   print(f"ceilings: bf16 matmul {mm:.0f} TFLOP/s, H2D {h2d:.1f} GB/s, D2H {d2h:.1f} GB/s, "

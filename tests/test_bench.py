@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).parent.parent
@@ -64,8 +65,21 @@ def test_bench_smoke_runs_every_system_and_records_the_fields(tmp_path, capsys):
 def test_bench_refuses_unknown_system_and_bad_variant(capsys):
   assert bench.main(["--config", str(TINY), "--systems", "mtjax,deepspeed"]) == 2
   assert bench.main(["--config", str(TINY), "--variant", "x:engine.bogus=1"]) == 2
+  # a variant of another shape would be fed the first shape's batches and FLOPs
+  assert bench.main(["--config", str(TINY), "--variant", "v:model.vocab_size=300"]) == 2
   err = capsys.readouterr().err
-  assert "deepspeed" in err and "engine.bogus" in err
+  assert "deepspeed" in err and "engine.bogus" in err and "--variant v: changes the model" in err
+
+
+def test_bench_packs_documents_as_prepared_data_does():
+  from mtjax import data  # noqa: PLC0415
+  b = bench.packed(data.synthetic_batch(0, 4, 64, 100, 0), 5, 0)
+  for seg, pos in zip(b.segments, b.positions):
+    assert seg[0] == 1 and seg[-1] == 5 and (np.diff(seg) >= 0).all()  # ids 1..5 along the row
+    starts = np.flatnonzero(np.diff(seg, prepend=0))
+    assert len(starts) == 5 and (pos[starts] == 0).all()  # each document's positions start at 0
+    assert (np.diff(pos)[np.diff(seg) == 0] == 1).all()  # and count up inside it
+  assert bench.packed(data.synthetic_batch(0, 4, 64, 100, 0), 0, 0).segments is None
 
 
 def test_tracer_survives_an_array_donated_before_it_is_watched():
