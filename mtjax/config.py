@@ -277,7 +277,7 @@ class EngineConfig:
   activations_every: int | Literal["auto"] = 1  # keep every K-th block's input; the backward re-runs a segment of K blocks' forward from it; auto: every input while the device holds them, else the smallest K that fits
   micro_batch: int | None = None  # sequences per chunk inside a layer; None means the whole batch
   loss_chunk: int = 1024  # tokens per LM-head chunk, so full logits never exist
-  attention: Literal["auto", "xla", "cudnn", "blockwise"] = "auto"  # attention kernel: XLA's, cuDNN's fused one, or mtjax's blockwise (no [T x T] tensor)
+  attention: Literal["auto", "xla", "cudnn", "blockwise"] = "auto"  # attention kernel: XLA's, cuDNN's fused one (packed documents as a mask up to 4096 tokens), or mtjax's blockwise (no [T x T] tensor; soft-caps, sinks); auto: cuDNN on a GPU in bf16 for heads up to 128 wide (256 on Hopper), else blockwise from 4096 tokens, XLA below
   matmul_precision: Literal["default", "high", "highest"] = "default"  # highest: true fp32 matmuls on GPU (no TF32)
   inflight_layers: int = 2  # layers the host may queue ahead of the device (bounds device memory)
   grad_queue: int | Literal["auto"] = 4  # host-group gradients awaiting the host optimizer before the device waits (bounds host buffers); auto: the planner picks

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtjax import models
-from mtjax.models import grouped
+from mtjax.models import grouped, layers
 from mtjax.config import Config, ModelConfig
 from mtjax.data import Batch
 from mtjax.models.layers import Ctx, token_nll
@@ -215,24 +215,19 @@ def layer_fns(spec: models.ModelSpec, compute_dtype, micro_batch: int | None, lo
                   None if objective is None else pair_head_step)
 
 
-# From this sequence length on, `auto` takes the blockwise attention over XLA's, whose [T x T]
-# scores (and their gradient) outgrow a layer's other activations.
-BLOCKWISE_FROM_SEQ = 4096
-
-
 def attention_impl(choice: str, device: jax.Device, compute_dtype: str, cfg: ModelConfig,
                    seq: int = 0) -> str:
-  """`auto` takes cuDNN's fused (flash) attention where it applies: on a GPU, in bf16, for head
-  widths it supports (packed documents as a mask up to layers.CUDNN_MASK_MAX_SEQ tokens, longer
-  ones by the blockwise kernel); elsewhere XLA's attention for short sequences, the blockwise one
-  (mtjax.attention) for long."""
-  if choice != "auto":
-    return choice
-  _, hd, hv = models.spec(cfg).attention_widths
-  if (device.platform == "gpu" and compute_dtype == "bfloat16" and hd == hv and hd % 8 == 0
-      and hd <= 128):
-    return "cudnn"
-  return "blockwise" if seq >= BLOCKWISE_FROM_SEQ else "xla"
+  """`engine.attention` resolved for this device and model (models.layers.choose_attention)."""
+  return layers.choose_attention(choice, device.platform, device_capability(device), compute_dtype,
+                                 models.spec(cfg).attention_widths, seq)
+
+
+def device_capability(device: jax.Device) -> float:
+  """The GPU's compute capability as a number (9.0 on Hopper); 0 for other devices."""
+  try:
+    return float(getattr(device, "compute_capability", "") or 0)
+  except ValueError:
+    return 0.0
 
 
 def moe_impl(choice: str, device: jax.Device, cfg: ModelConfig | None = None,

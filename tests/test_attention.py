@@ -433,3 +433,42 @@ def test_long_sequence_never_materialises_t_by_t():
   assert temp <= 16 * B * T * N * H * 4 + 8 * block_scores * 4, temp
   assert temp * 16 <= B * N * T * T * 4, temp  # the fp32 scores of every head
 
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_fused_path_takes_documents_as_a_mask_like_the_naive_attention(window):
+  """The engine's cuDNN call (models.layers.fused_attention) in jax's XLA form, which takes the
+  same mask and window arguments: packed documents and a window give the naive attention's
+  output and gradients (the mask's layout and the window's off-by-one are the engine's)."""
+  from mtjax.models.layers import fused_attention  # noqa: PLC0415
+  q, k, v, ct = random_qkv(2, 24, 24, 4, 2, 8, jnp.float32, seed=3)
+  seg = jnp.asarray(np.repeat([[1, 2, 3], [1, 1, 2]], [8, 8, 8], axis=1).astype(np.int32))
+  fused = lambda q, k, v: fused_attention(q, k, v, seg, window=window, implementation="xla")
+  naive = lambda q, k, v: naive_attention(q, k, v, segments_q_BxT=seg, segments_k_BxS=seg,
+                                          window=window)
+  assert_fp32_close(value_and_grads(fused, q, k, v, ct), value_and_grads(naive, q, k, v, ct))
+  # and the mask does cut: the same call without documents differs
+  whole = value_and_grads(lambda q, k, v: fused_attention(q, k, v, implementation="xla"),
+                          q, k, v, ct)
+  assert relative_error(whole[0], value_and_grads(fused, q, k, v, ct)[0]) > 0.1
+
+
+def test_each_layer_takes_the_kernel_that_applies_to_it():
+  from mtjax.models.layers import (BLOCKWISE_FROM_SEQ, CUDNN_MASK_MAX_SEQ,  # noqa: PLC0415
+                                   choose_attention, layer_kernel)
+  hopper, ampere = 9.0, 8.0
+  assert choose_attention("auto", "gpu", hopper, "bfloat16", (32, 128, 128)) == "cudnn"
+  assert choose_attention("auto", "gpu", hopper, "bfloat16", (16, 256, 256)) == "cudnn"
+  assert choose_attention("auto", "gpu", ampere, "bfloat16", (16, 256, 256), 2048) == "xla"
+  assert choose_attention("auto", "gpu", hopper, "bfloat16", (16, 192, 128), 8192) == "blockwise"
+  assert choose_attention("auto", "gpu", hopper, "float32", (32, 128, 128), 2048) == "xla"
+  assert choose_attention("auto", "cpu", 0.0, "bfloat16", (32, 128, 128),
+                          BLOCKWISE_FROM_SEQ) == "blockwise"
+  assert choose_attention("xla", "gpu", hopper, "bfloat16", (32, 128, 128)) == "xla"
+  assert layer_kernel("cudnn", seq=2048, packed=False) == "cudnn"
+  assert layer_kernel("cudnn", seq=CUDNN_MASK_MAX_SEQ, packed=True) == "cudnn-mask"
+  assert layer_kernel("cudnn", seq=2 * CUDNN_MASK_MAX_SEQ, packed=True) == "blockwise"
+  assert layer_kernel("cudnn", seq=2048, packed=False, softcap=True) == "blockwise"
+  assert layer_kernel("cudnn", seq=2048, packed=False, sinks=True) == "blockwise"
+  assert layer_kernel("cudnn", seq=2048, packed=False, same_widths=False) == "blockwise"
+  assert layer_kernel("xla", seq=2048, packed=True) == "xla"

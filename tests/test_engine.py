@@ -255,7 +255,8 @@ def test_the_first_kept_inputs_spill_to_host_and_the_plan_spills_the_fewest_that
   rivals = [plan.make(dataclasses.replace(big, engine=dataclasses.replace(
       big.engine, activations_every=k)), device_limit=limit) for k in plan.ACTIVATIONS_EVERY]
   assert chosen.schedule_s == min(p.schedule_s for p in rivals if p.fits_device)
-  assert (chosen.activations_every, chosen.activations_on_host) != (1, 7)  # here K = 1 loses
+  # and the choice is a real one: the policies that fit predict different steps
+  assert len({round(p.schedule_s, 9) for p in rivals if p.fits_device}) > 1
 
 
 def test_clipping_is_active_in_the_clip_tests():

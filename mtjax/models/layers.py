@@ -194,6 +194,57 @@ def softcap(x, cap: float | None):
 # Packed rows up to this many tokens take cuDNN's kernel with their documents as a mask (the
 # mask's bias is B x T x T bf16: 64 MiB at 8 x 2048); longer ones the blockwise kernel.
 CUDNN_MASK_MAX_SEQ = 4096
+# From this sequence length on, `auto` takes the blockwise attention over XLA's where cuDNN's does
+# not apply: XLA's [T x T] scores (and their gradient) outgrow a layer's other activations.
+BLOCKWISE_FROM_SEQ = 4096
+
+
+def choose_attention(choice: str, platform: str, capability: float, compute_dtype: str,
+                     widths: tuple[int, int, int], seq: int = 0) -> str:
+  """The attention kernel of `engine.attention` (`auto` resolved) for a device and model.
+
+  `auto` takes cuDNN's fused (flash) attention on a GPU in bf16 for head widths it supports: up to
+  128, and 256 on Hopper (compute capability 9.0) and later, where its forward and backward run
+  at 0.86 of the 128-wide rate and 4.9x XLA's (benchmarks/attention_kernels.py, H100);
+  elsewhere the blockwise kernel (mtjax.attention) from BLOCKWISE_FROM_SEQ tokens, XLA's below.
+
+  Args:
+    widths: (query heads, query/key width, value width) per head (`spec.attention_widths`).
+  """
+  if choice != "auto":
+    return choice
+  _, hd, hv = widths
+  widest = 256 if capability >= 9.0 else 128
+  if platform == "gpu" and compute_dtype == "bfloat16" and hd == hv and hd % 8 == 0 and hd <= widest:
+    return "cudnn"
+  return "blockwise" if seq >= BLOCKWISE_FROM_SEQ else "xla"
+
+
+def layer_kernel(implementation: str, *, seq: int, packed: bool, softcap: bool = False,
+                 sinks: bool = False, same_widths: bool = True) -> str:
+  """The kernel one layer's attention runs: `implementation`, except that cuDNN's fused kernel
+  takes no logit cap, sinks or value width of its own, nor a document mask beyond
+  CUDNN_MASK_MAX_SEQ tokens: those layers run the blockwise kernel. `cudnn-mask` is cuDNN's
+  kernel with the documents as a mask."""
+  if implementation != "cudnn":
+    return implementation
+  if softcap or sinks or not same_widths or (packed and seq > CUDNN_MASK_MAX_SEQ):
+    return "blockwise"
+  return "cudnn-mask" if packed else "cudnn"
+
+
+def fused_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, segments_BxT=None, *,
+                    window: int | None = None, scale: float | None = None,
+                    implementation: str = "cudnn"):
+  """Causal attention by jax.nn.dot_product_attention (cuDNN's fused kernel on the GPU; its XLA
+  form elsewhere, which tests compare): documents as a [B, 1, T, T] mask, a window of `window`
+  keys up to and including the query's own."""
+  local = None if window is None else (window - 1, 0)
+  mask = (None if segments_BxT is None
+          else segments_BxT[:, None, :, None] == segments_BxT[:, None, None, :])
+  return jax.nn.dot_product_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, mask=mask, is_causal=True,
+                                      scale=scale, local_window_size=local,
+                                      implementation=implementation)
 
 
 def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, segments_BxT, *, implementation: str | None,
@@ -206,19 +257,12 @@ def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, segments_BxT, *, implementation: str
   longer packed rows) go to the blockwise kernel, which takes them all and never builds a
   [T x T] tensor. `xla` computes the scores whole (short sequences, the CPU).
   """
-  T = q_BxTxNxH.shape[1]
-  fused_ok = (softcap_ is None and sinks_N is None and v_BxSxKxV.shape[-1] == q_BxTxNxH.shape[-1]
-              and (segments_BxT is None or T <= CUDNN_MASK_MAX_SEQ))
-  impl = implementation
-  if impl == "cudnn" and not fused_ok:
-    impl = "blockwise"
-  if impl == "cudnn":
-    local = None if window is None else (window - 1, 0)
-    mask = (None if segments_BxT is None
-            else segments_BxT[:, None, :, None] == segments_BxT[:, None, None, :])
-    return jax.nn.dot_product_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, mask=mask,
-                                        is_causal=True, scale=scale, local_window_size=local,
-                                        implementation="cudnn")
+  impl = layer_kernel(implementation, seq=q_BxTxNxH.shape[1], packed=segments_BxT is not None,
+                      softcap=softcap_ is not None, sinks=sinks_N is not None,
+                      same_widths=v_BxSxKxV.shape[-1] == q_BxTxNxH.shape[-1])
+  if impl in ("cudnn", "cudnn-mask"):
+    return fused_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, segments_BxT, window=window,
+                           scale=scale)
   kw = dict(segments_q_BxT=segments_BxT, segments_k_BxS=segments_BxT, causal=True, scale=scale,
             window=window, softcap=softcap_, sinks_N=sinks_N)
   if impl == "blockwise":

@@ -24,6 +24,7 @@ class Machine:
   host_adamw_gparams: float  # the host AdamW inside a training step
   attention_tflops: float = 470.0  # fused causal attention, forward and backward
   hbm_gbps: float = 4300.0  # device memory bandwidth
+  compute_capability: float = 9.0  # the GPU's (Hopper: 9.0): which attention kernels apply
 
   @classmethod
   def load(cls, path: str | Path) -> "Machine":
@@ -57,7 +58,7 @@ class Machine:
                  host_adamw_in_step_gparams=self.host_adamw_gparams,
                  host_adamw_in_step_best_gparams=max(self.host_adamw_gparams,
                                                      Rates.host_adamw_in_step_best_gparams),
-                 hbm_gbps=self.hbm_gbps)
+                 hbm_gbps=self.hbm_gbps, compute_capability=self.compute_capability)
 
   def plan(self, cfg: config_lib.Config) -> Plan:
     """The plan of `cfg` on this machine: every `auto` resolved, device bytes estimated."""

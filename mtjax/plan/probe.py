@@ -11,7 +11,8 @@ import subprocess
 from mtjax import config as config_lib, models
 from mtjax.plan.memory import GiB
 from mtjax.plan.schedule import Rates
-from mtjax.plan.search import Plan, PlanError, check, devices_of, make, refuse_by_size
+from mtjax.plan.search import (Plan, PlanError, carries_documents, check, devices_of, make,
+                               refuse_by_size)
 from mtjax.plan.memory import pinned_pool_bytes
 
 def host_memory_limit() -> int:
@@ -109,8 +110,9 @@ def prepare(cfg: config_lib.Config, host_limit: int | None = None
   working = compiled_memory(cfg, device, n_all) if accel else None
   rule = opt_lib.UpdateRule(cfg.optim, cfg.decay_steps)
   opt_bytes = {k: rule.state_bytes(lay) for k, lay in models.spec(cfg.model).layouts.items()}
-  plan = make(cfg, host_limit, device_memory_limit(device), Rates(accelerator=accel), working,
-              opt_bytes, pinned_cap)
+  from mtjax.engine import device_capability  # noqa: PLC0415 - jax: loaded when used
+  rates = Rates(accelerator=accel, compute_capability=device_capability(device))
+  plan = make(cfg, host_limit, device_memory_limit(device), rates, working, opt_bytes, pinned_cap)
   check(plan)
   return plan.resolve(cfg), plan
 
@@ -150,8 +152,9 @@ def compiled_memory(cfg: config_lib.Config, device=None, devices: int = 1
   import jax.numpy as jnp  # noqa: PLC0415
   device = device or jax.local_devices()[0]
   e, m, t = cfg.engine, cfg.model, cfg.train
+  documents = carries_documents(cfg)  # the attention's mask is part of the layers' working set
   key = (m, e.compute_dtype, e.micro_batch, e.loss_chunk, e.attention, e.matmul_precision,
-         e.seq_tile, e.moe_impl, t.batch // t.grad_accum, t.seq, devices, device)
+         e.seq_tile, e.moe_impl, t.batch // t.grad_accum, t.seq, devices, device, documents)
   if key in _COMPILED_MEMORY:  # placement does not change the layer executables
     return _COMPILED_MEMORY[key]
   from mtjax import engine as engine_lib  # noqa: PLC0415 - jax and the layers: loaded when used
@@ -167,7 +170,7 @@ def compiled_memory(cfg: config_lib.Config, device=None, devices: int = 1
   S = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
   B, T, D = max(1, t.batch // t.grad_accum // devices), t.seq, m.hidden  # one pass's rows
   x, tok = S((B, T, D), cd), S((B, T), jnp.int32)
-  ctx = Ctx(tok)
+  ctx = Ctx(tok, tok if documents else None)
   w = {k: S((lay.size,), jnp.float32) for k, lay in lays.items()}
   table = w["embed"] if m.tie_embeddings else None
   calls = {

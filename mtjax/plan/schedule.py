@@ -63,6 +63,7 @@ class Rates:
   # on the H200): an update on the device and the LM head's softmax are bound by it.
   hbm_gbps: float = 4300.0
   accelerator: bool = True  # False: the CPU backend runs the layers (no CUDA runtime, no pinned pool)
+  compute_capability: float = 9.0  # the GPU's (Hopper: 9.0): which attention kernels apply
 
 
 @dataclasses.dataclass(frozen=True)

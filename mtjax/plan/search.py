@@ -387,22 +387,27 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
                                  else t.seq * 8 * D + tile * (4 * D + 3 * F))
     attn = (mb * H * t.seq * 4 * 2 if e.attention != "xla" and e.compute_dtype == "bfloat16"
             else 3 * mb * H * t.seq * t.seq * 4)  # flash: row stats; XLA: scores, probs, their grad
+    if "cudnn-mask" in attention_kernels(cfg, rates):  # the documents' mask and its bf16 bias
+      attn += 3 * mb * t.seq * t.seq
     chunk = min(e.loss_chunk, pass_batch * t.seq)
     device["layer working set (estimated)"] = max(layer_acts + attn + 3 * pass_batch * t.seq * D * act,
                                                   chunk * V * (4 + 4 + act) + 8 * D * V)
 
   D, V = m.hidden, m.vocab_size
-  causal = 0.5 if e.compute_dtype == "bfloat16" and e.attention != "xla" else 1.0
   rerun = 1 + (K - 1) / K  # a block's forward runs again in the backward: once, or twice in a segment
-  # Seconds for matmul FLOPs and attention FLOPs: a fused (flash) attention kernel runs below the
-  # dense matmul rate; XLA's attention is plain matmuls.
-  attn_rate = rates.attention_tflops if causal < 1 else rates.matmul_tflops
-  seconds = lambda matmul, attn: (matmul / rates.matmul_tflops + attn / attn_rate) / (nd * 1e12)
   N, dqk, dv = spec.attention_widths
-  # each block's matrix parameters a token uses, and its attention matmuls in the forward
+  # Each layer's attention kernel (as the engine picks it) and its rate on the causal pairs.
+  kernels = attention_kernels(cfg, rates)
+  if rates.accelerator:
+    attn_rate = [rates.attention_tflops * kernel_efficiency(k, dqk) for k in kernels]
+    causal_pairs = True
+  else:  # the CPU backend: XLA's scores whole, plain matmuls at the matmul rate
+    attn_rate, causal_pairs = [rates.matmul_tflops] * L, False
+  seconds = lambda matmul, attn: (matmul / rates.matmul_tflops + attn) / (nd * 1e12)
+  # each block's matrix parameters a token uses, and its attention in the forward: FLOPs / rate
   block_matmul = [spec.matmul_params(kinds[i + 1]) for i in range(L)]
-  attn_fwd = [2 * N * (dqk + dv) * spec.attention_pairs(i, t.batch, t.seq, causal < 1)
-              for i in range(L)]
+  attn_fwd = [2 * N * (dqk + dv) * spec.attention_pairs(i, t.batch, t.seq, causal_pairs)
+              / attn_rate[i] for i in range(L)]
   # forward, its re-runs, backward (2x the forward): matmuls and causal attention
   # the LM head: forward and backward; a pair objective (dpo) runs its forward once more first
   head_flops = (8 if t.objective == "dpo" else 6) * D * V * tokens
@@ -501,3 +506,53 @@ def check(plan: Plan) -> None:
         f"train.batch or engine.micro_batch, use engine.activations=auto, "
         f"engine.activations_every=auto, engine.seq_tile or fewer "
         f"engine.device_state_layers / engine.device_update_layers")
+
+
+# Each attention kernel's rate, forward and backward, as a share of cuDNN's fused kernel on plain
+# causal rows of 128-wide heads (rates.attention_tflops), from one H100 at 8 x 2048 tokens, 32
+# heads of 128, every kernel side by side (benchmarks/attention_kernels.py; the rows in
+# benchmarks/results/h100/attention/attention.json):
+# - cuDNN with packed documents as a mask computes every causal pair and reads the mask's bias:
+#   2.93 -> 4.89 ms, 0.60;
+# - the blockwise kernel: 15.70 ms, 0.19 (16 heads of 256: 0.24);
+# - XLA's scores-whole attention is bound by its [B, N, T, T] fp32 scores' traffic, 32.6 ps a
+#   score at widths 128 and 256 (35.05 and 16.58 ms), a share of width / 1530.
+# - cuDNN at 16 heads of 256: 3.41 ms, 0.86.
+# Below 128 the kernels cost about as much per score as at 128 (softmax, not matmuls), so their
+# share on FLOPs falls with the width: cuDNN with a mask at 64 wide, 8 x 1024, 0.32 (0.60 x 64/128
+# = 0.30); the blockwise kernel there 0.079 (width / 700 = 0.091). Not modelled: a sliding window
+# costs cuDNN 1.6x its pairs' share (gemma3-window).
+MASK_SHARE = 0.60
+WIDE_SHARE = 0.86  # cuDNN's share at heads wider than 128 (256)
+BLOCKWISE_WIDTH = 700  # the blockwise kernel's share: width / 700, at most BLOCKWISE_MAX_SHARE
+BLOCKWISE_MAX_SHARE = 0.24
+XLA_WIDTH = 1530  # XLA's share: width / 1530
+
+
+def kernel_efficiency(kernel: str, head_width: int) -> float:
+  """The kernel's share of the fused rate on the causal pairs (the figures above)."""
+  fused = min(1.0, head_width / 128) if head_width <= 128 else WIDE_SHARE
+  return {"cudnn": fused, "cudnn-mask": MASK_SHARE * fused,
+          "blockwise": min(BLOCKWISE_MAX_SHARE, head_width / BLOCKWISE_WIDTH),
+          "xla": min(1.0, head_width / XLA_WIDTH)}[kernel]
+
+
+def carries_documents(cfg: config_lib.Config) -> bool:
+  """Whether the run's batches carry document ids (a mask the attention keeps to): prepared data,
+  packed or padded, except preference pairs."""
+  return cfg.data.source == "prepared" and cfg.train.objective != "dpo"
+
+
+def attention_kernels(cfg: config_lib.Config, rates: Rates) -> list[str]:
+  """Each layer's attention kernel as the engine picks it on the planned device: `auto` resolved
+  (models.layers.choose_attention), then per layer (layer_kernel): prepared data (not preference
+  pairs) carries document ids, which cuDNN takes as a mask; a soft-cap or sinks take the blockwise
+  kernel."""
+  from mtjax.models import layers  # noqa: PLC0415 - flax: loaded when a plan is made
+  m, e, t = cfg.model, cfg.engine, cfg.train
+  widths = models.spec(m).attention_widths
+  impl = layers.choose_attention(e.attention, "gpu" if rates.accelerator else "cpu",
+                                 rates.compute_capability, e.compute_dtype, widths, t.seq)
+  kernel = layers.layer_kernel(impl, seq=t.seq, packed=carries_documents(cfg), softcap=m.attn_softcap is not None,
+                               sinks=bool(m.attention_sinks), same_widths=widths[1] == widths[2])
+  return [kernel] * m.layers
