@@ -512,12 +512,12 @@ def check(plan: Plan) -> None:
 # causal rows of 128-wide heads (rates.attention_tflops), from one H100 at 8 x 2048 tokens, 32
 # heads of 128, every kernel side by side (benchmarks/attention_kernels.py; the rows in
 # benchmarks/results/h100/attention/attention.json):
+# - cuDNN at 16 heads of 256 (the same FLOPs): 3.41 ms, 0.86;
 # - cuDNN with packed documents as a mask computes every causal pair and reads the mask's bias:
 #   2.93 -> 4.89 ms, 0.60;
 # - the blockwise kernel: 15.70 ms, 0.19 (16 heads of 256: 0.24);
 # - XLA's scores-whole attention is bound by its [B, N, T, T] fp32 scores' traffic, 32.6 ps a
 #   score at widths 128 and 256 (35.05 and 16.58 ms), a share of width / 1530.
-# - cuDNN at 16 heads of 256: 3.41 ms, 0.86.
 # Below 128 the kernels cost about as much per score as at 128 (softmax, not matmuls), so their
 # share on FLOPs falls with the width: cuDNN with a mask at 64 wide, 8 x 1024, 0.32 (0.60 x 64/128
 # = 0.30); the blockwise kernel there 0.079 (width / 700 = 0.091). Not modelled: a sliding window
@@ -553,6 +553,7 @@ def attention_kernels(cfg: config_lib.Config, rates: Rates) -> list[str]:
   widths = models.spec(m).attention_widths
   impl = layers.choose_attention(e.attention, "gpu" if rates.accelerator else "cpu",
                                  rates.compute_capability, e.compute_dtype, widths, t.seq)
-  kernel = layers.layer_kernel(impl, seq=t.seq, packed=carries_documents(cfg), softcap=m.attn_softcap is not None,
-                               sinks=bool(m.attention_sinks), same_widths=widths[1] == widths[2])
+  kernel = layers.layer_kernel(impl, seq=t.seq, packed=carries_documents(cfg),
+                               softcap=m.attn_softcap is not None, sinks=bool(m.attention_sinks),
+                               same_widths=widths[1] == widths[2])
   return [kernel] * m.layers
