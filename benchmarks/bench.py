@@ -382,6 +382,15 @@ def draw_timeline(path, lane_map, t0, t1, title):
   plt.close(fig)
 
 
+def with_documents(cfg: config_lib.Config, docs: int) -> config_lib.Config:
+  """The config as the planner must see it when the synthetic rows carry `docs` documents: as
+  prepared data, whose batches carry document ids (the attention's mask and its cost)."""
+  if docs <= 1:
+    return cfg
+  return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source="prepared",
+                                                           path="(synthetic rows, --docs)"))
+
+
 def packed(b: data.Batch, docs: int, step: int) -> data.Batch:
   """The batch with `docs` documents of random lengths per row: segment ids 1..docs and RoPE
   positions restarting at each document, as `mtjax.data prepare` packs them."""
@@ -446,6 +455,8 @@ def main(argv=None):
       print(f"--variant {name}: changes the model or the batch shape; variants compare settings "
             f"of one shape (run the other shape as a bench of its own)", file=sys.stderr)
       return 2
+  cfg, variants = with_documents(cfg, args.docs), {k: with_documents(c, args.docs)
+                                                    for k, c in variants.items()}
   # Every variant is planned once; the first plan sets the pinned pool before the backend starts,
   # so it is made for the variant that pins the most.
   pinned = max(plan_lib.make(c, plan_lib.host_memory_limit()).pinned

@@ -48,6 +48,19 @@ def sh(*args, timeout=600):
   return r
 
 
+def phases(metrics: Path) -> dict:
+  """Medians of the step's parts after the first step (metrics.jsonl), and of the step over each
+  quarter of the run (does it drift?)."""
+  import statistics  # noqa: PLC0415
+  rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step_s" in r][1:]
+  if not rows:
+    return {}
+  med = lambda k, rs=rows: statistics.median(r[k] for r in rs)
+  q = max(1, len(rows) // 4)
+  return {**{k: med(k) for k in ("step_s", "forward_s", "backward_s", "finish_s", "device_wait_s")},
+          "step_s_by_quarter": [med("step_s", rows[i:i + q]) for i in range(0, len(rows), q)]}
+
+
 def corpus(work: Path, smoke: bool) -> Path:
   """The standard library's sources, one document per file."""
   stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -149,7 +162,7 @@ def main(argv=None) -> int:
     sh("-m", "mtjax.data", "prepare", "--tokenizer", str(model_dir), "--out", str(data_dir),
        "--format", "text", "--val-fraction", "0.05", "--workers", "8", str(work / "corpus"))
     common = [f"engine.compute_dtype={'float32' if args.smoke else 'bfloat16'}", "train.batch=8",
-              f"train.seq={SEQ}", "engine.loss_chunk=1024", "optim.lr=3e-4",
+              f"train.seq={SEQ}", "optim.lr=3e-4",
               "optim.warmup_steps=20", "optim.weight_decay=0.0", "train.log_every=10"]
     if args.smoke:
       common.append("engine.device_state_layers=0")  # the CPU: nothing to gain on the device
@@ -160,6 +173,7 @@ def main(argv=None) -> int:
        f"train.checkpoint_dir={work / 'ck'}", f"train.export_dir={work / 'export'}",
        "train.export_dtype=float32", f"train.run_dir={work / 'run'}", *common)
     ft = json.loads((out / "finetune.json").read_text())
+    ft["phases"] = phases(work / "run" / "metrics.jsonl")
     log(f"fine-tune: loss {ft['first_loss']:.3f} -> {ft['final_loss']:.3f}, held-out "
         f"{ft['held_out']}, {ft['tokens_per_s']:,.0f} tokens/s")
     sh("-m", "mtjax.train", "--config", "configs/finetune.yaml", "--no-progress",

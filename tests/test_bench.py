@@ -80,6 +80,12 @@ def test_bench_packs_documents_as_prepared_data_does():
     assert len(starts) == 5 and (pos[starts] == 0).all()  # each document's positions start at 0
     assert (np.diff(pos)[np.diff(seg) == 0] == 1).all()  # and count up inside it
   assert bench.packed(data.synthetic_batch(0, 4, 64, 100, 0), 0, 0).segments is None
+  # and such rows are planned as prepared data is (the attention's mask costed)
+  from mtjax import config  # noqa: PLC0415
+  from mtjax.plan.search import carries_documents  # noqa: PLC0415
+  cfg = config.load(TINY)
+  assert not carries_documents(bench.with_documents(cfg, 1))
+  assert carries_documents(bench.with_documents(cfg, 5))
 
 
 def test_tracer_survives_an_array_donated_before_it_is_watched():
@@ -196,6 +202,8 @@ def test_finetune_smoke_exports_what_transformers_reads_back(tmp_path):
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert summary["logits_rel_err"] < 1e-5 and summary["argmax_agreement"] == 1.0
   assert summary["finetune"]["params"] == summary["hf_params"]
+  phases = summary["finetune"]["phases"]  # the step's parts, from the run's metrics.jsonl
+  assert 0 < phases["forward_s"] < phases["step_s"] and len(phases["step_s_by_quarter"]) >= 1
 
 
 @pytest.mark.soak  # ten processes, one after another (prepare, train, report)

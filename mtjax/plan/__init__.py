@@ -16,10 +16,10 @@ from mtjax.plan.memory import (DEVICE_TIER_HOST_SHARE, GiB, RUNTIME_HOST_BYTES,
                                SAVED_INPUT_ROUNDING, hf_staging_bytes, human_bytes,
                                pinned_pool_bytes)
 from mtjax.plan.probe import (DEVICE_MEMORY_FRACTION, backend_started, compiled_memory,
-                              configure_pinned_pool, device_memory_limit, host_memory_limit,
-                              prepare, probe_device_count, probe_device_memory)
-from mtjax.plan.schedule import (DEVICE_UPDATE_BYTES, HEAD_LOGIT_BYTES, Layer, Rates, flops,
-                                 param_counts, simulate)
+                              configure_pinned_pool, device_memory_gbps, device_memory_limit,
+                              host_memory_limit, prepare, probe_device_count, probe_device_memory)
+from mtjax.plan.schedule import (DEVICE_UPDATE_BYTES, HEAD_CHUNK_BYTES, HEAD_LOGIT_BYTES, Layer,
+                                 Rates, flops, param_counts, simulate)
 from mtjax.plan.search import (ACTIVATIONS_EVERY, DEVICE_SPARE, EXHAUSTIVE_GROUPS, GRAD_QUEUES,
                                HOST_SPARE, Plan, PlanError, check, devices_of, make,
                                refuse_by_size)
@@ -43,10 +43,10 @@ def main(argv=None) -> int:
 
 
 __all__ = ["ACTIVATIONS_EVERY", "DEVICE_MEMORY_FRACTION", "DEVICE_SPARE", "DEVICE_TIER_HOST_SHARE",
-           "DEVICE_UPDATE_BYTES", "EXHAUSTIVE_GROUPS", "GRAD_QUEUES", "GiB", "HEAD_LOGIT_BYTES",
-           "HOST_SPARE", "Layer", "Machine", "Plan", "PlanError", "RUNTIME_HOST_BYTES", "Rates",
-           "SAVED_INPUT_ROUNDING", "backend_started", "check", "compiled_memory",
-           "configure_pinned_pool", "device_memory_limit", "devices_of", "flops", "format_plan",
-           "hf_staging_bytes", "host_memory_limit", "human_bytes", "main", "make", "param_counts",
-           "pinned_pool_bytes", "plan_summary", "prepare", "probe_device_count",
-           "probe_device_memory", "refuse_by_size", "simulate"]
+           "DEVICE_UPDATE_BYTES", "EXHAUSTIVE_GROUPS", "GRAD_QUEUES", "GiB", "HEAD_CHUNK_BYTES",
+           "HEAD_LOGIT_BYTES", "HOST_SPARE", "Layer", "Machine", "Plan", "PlanError",
+           "RUNTIME_HOST_BYTES", "Rates", "SAVED_INPUT_ROUNDING", "backend_started", "check",
+           "compiled_memory", "configure_pinned_pool", "device_memory_gbps", "device_memory_limit",
+           "devices_of", "flops", "format_plan", "hf_staging_bytes", "host_memory_limit",
+           "human_bytes", "main", "make", "param_counts", "pinned_pool_bytes", "plan_summary",
+           "prepare", "probe_device_count", "probe_device_memory", "refuse_by_size", "simulate"]

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 import subprocess
+import time
 
 from mtjax import config as config_lib, models
 from mtjax.plan.memory import GiB
@@ -112,6 +114,8 @@ def prepare(cfg: config_lib.Config, host_limit: int | None = None
   opt_bytes = {k: rule.state_bytes(lay) for k, lay in models.spec(cfg.model).layouts.items()}
   from mtjax.engine import device_capability  # noqa: PLC0415 - jax: loaded when used
   rates = Rates(accelerator=accel, compute_capability=device_capability(device))
+  if accel:  # the memory-bound parts (the head's softmax, device updates) at this GPU's rate
+    rates = dataclasses.replace(rates, hbm_gbps=device_memory_gbps(device))
   plan = make(cfg, host_limit, device_memory_limit(device), rates, working, opt_bytes, pinned_cap)
   check(plan)
   return plan.resolve(cfg), plan
@@ -134,6 +138,29 @@ def probe_device_count() -> int | None:
   except (OSError, subprocess.SubprocessError):
     return None
   return len(out.stdout.split()) if out.returncode == 0 and out.stdout.strip() else None
+
+
+_HBM_GBPS: dict = {}
+
+
+def device_memory_gbps(device, nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+  """The device's memory bandwidth as the planner counts it: bytes read and written by a jitted
+  element-wise pass over `nbytes` of float32 (the median of `repeats`), once per device."""
+  if device in _HBM_GBPS:
+    return _HBM_GBPS[device]
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  x = jax.device_put(jnp.zeros(nbytes // 4, jnp.float32), device)
+  touch = jax.jit(lambda a: a + 1.0)
+  touch(x).block_until_ready()  # compiled and warm
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    touch(x).block_until_ready()
+    times.append(time.perf_counter() - t)
+  del x
+  _HBM_GBPS[device] = 2 * nbytes / statistics.median(times) / 1e9
+  return _HBM_GBPS[device]
 
 
 def configure_pinned_pool(pinned: int) -> None:

@@ -39,6 +39,11 @@ DEVICE_UPDATE_BYTES = 28
 # (written, max and logsumexp, softmax, its gradient written, read by two matmuls): bytes per
 # (token, vocabulary entry), beside its matmuls; a 128k vocabulary makes this 10-30% of the head.
 HEAD_LOGIT_BYTES = 24
+# Each chunk of the loss step also reads the head's fp32 weights and writes them as bf16 (6 bytes)
+# and adds its fp32 gradient into the step's sum (12): bytes per (vocabulary entry, hidden unit)
+# per chunk. Measured on an H100 at the 1B shape (benchmarks/bench.py, engine.loss_chunk 1024
+# beside 4096, six more chunks): +8.1 ms at a 128k vocabulary, +2.0 ms at 32k, 15-17 bytes.
+HEAD_CHUNK_BYTES = 16
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,8 +10,8 @@ from mtjax import config as config_lib, models
 from mtjax.plan.memory import (DEVICE_TIER_HOST_SHARE, GiB, RUNTIME_HOST_BYTES,
                                RUNTIME_HOST_BYTES_CPU, SAVED_INPUT_ROUNDING, hf_staging_bytes,
                                pinned_pool_bytes)
-from mtjax.plan.schedule import (DEVICE_UPDATE_BYTES, HEAD_LOGIT_BYTES, Layer, Rates,
-                                 param_counts, simulate)
+from mtjax.plan.schedule import (DEVICE_UPDATE_BYTES, HEAD_CHUNK_BYTES, HEAD_LOGIT_BYTES, Layer,
+                                 Rates, param_counts, simulate)
 
 class PlanError(RuntimeError):
   """The run does not fit; the message gives the numbers and what to change."""
@@ -411,9 +411,13 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
   # forward, its re-runs, backward (2x the forward): matmuls and causal attention
   # the LM head: forward and backward; a pair objective (dpo) runs its forward once more first
   head_flops = (8 if t.objective == "dpo" else 6) * D * V * tokens
+  # its memory traffic: the logits' passes, and each chunk's pass over the head's weights (every
+  # device holds them whole)
+  chunks = G * -(-pass_batch * t.seq // min(e.loss_chunk, pass_batch * t.seq))
+  head_mem_s = (HEAD_LOGIT_BYTES * V * tokens / nd + HEAD_CHUNK_BYTES * V * D * chunks) / (
+      rates.hbm_gbps * 1e9)
   compute_s = (seconds((6 + 2 * rerun) * sum(block_matmul) * tokens + head_flops,
-                       (3 + rerun) * sum(attn_fwd))
-               + HEAD_LOGIT_BYTES * V * tokens / (nd * rates.hbm_gbps * 1e9)
+                       (3 + rerun) * sum(attn_fwd)) + head_mem_s
                + DEVICE_UPDATE_BYTES * sum(sizes[i] for i in stream_g + dev_g) / (rates.hbm_gbps * 1e9))
   saved_link = spilled * saved_input
   # Host groups' weights cross twice (forward, backward; the embedding's backward needs none),
@@ -437,8 +441,7 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
   # A block whose input was not kept has its forward re-run in the backward: (K-1)/K of them.
   layers += [Layer(sizes[i + 1], block_fwd[i], (2 + rerun) * block_fwd[i],
                    saved_input if i % K == 0 and i // K < spilled else 0) for i in range(L)]
-  head_s = (seconds(head_flops, 0)
-            + HEAD_LOGIT_BYTES * V * tokens / (nd * rates.hbm_gbps * 1e9)) / G
+  head_s = (seconds(head_flops, 0) + head_mem_s) / G
   layers += [Layer(sizes[-1], head_s, 0.0, 0)]
   if not rates.accelerator:  # the CPU backend's "device" memory is host RAM
     host["device memory (CPU backend: host RAM)"] = sum(device.values())
