@@ -456,6 +456,32 @@ def test_the_attention_kernels_shares_are_the_measured_ones():
   assert checked == 14  # every kernel the engine takes, on every variant but the window
 
 
+def test_the_plan_costs_the_heads_chunks_and_the_devices_memory_bandwidth():
+  """Each loss chunk passes once over the head's weights (plan.HEAD_CHUNK_BYTES per vocabulary
+  entry and hidden unit): four times the chunks add three such passes to the compute; the
+  memory-bound terms (the logits, the chunks, device updates) scale with 1 / the bandwidth."""
+  rates = plan.Machine.load(CONFIGS / "machines" / "h200.yaml").rates()
+  cfg = lambda chunk: config.load(CONFIGS / "llama3.2_1b.yaml", [f"engine.loss_chunk={chunk}"])
+  compute = lambda c, r=rates: plan.make(c, rates=r).step_s["compute"]
+  V, D = 128256, 2048  # 8 x 1024 tokens: 2 chunks of 4096, 8 of 1024
+  assert compute(cfg(1024)) - compute(cfg(4096)) == pytest.approx(
+      6 * plan.HEAD_CHUNK_BYTES * V * D / (rates.hbm_gbps * 1e9), rel=1e-9)
+  assert plan.make(cfg(1024), rates=rates).schedule_s > plan.make(cfg(4096), rates=rates).schedule_s
+  slow = dataclasses.replace(rates, hbm_gbps=rates.hbm_gbps / 2)
+  p = plan.make(cfg(4096), rates=rates)
+  memory_bound = (plan.HEAD_LOGIT_BYTES * V * 8192 + plan.HEAD_CHUNK_BYTES * V * D * 2
+                  + plan.DEVICE_UPDATE_BYTES * p.params) / (rates.hbm_gbps * 1e9)
+  assert compute(cfg(4096), slow) - compute(cfg(4096)) == pytest.approx(memory_bound, rel=1e-9)
+
+
+def test_the_device_memory_bandwidth_is_measured_once_per_device():
+  device = jax.devices()[0]
+  plan.probe._HBM_GBPS.pop(device, None)
+  gbps = plan.device_memory_gbps(device, nbytes=4 * 2**20, repeats=3)
+  assert math.isfinite(gbps) and gbps > 0
+  assert plan.device_memory_gbps(device) == gbps  # cached: prepare asks for it on every plan
+
+
 def test_the_plan_costs_the_attention_kernel_each_layer_takes():
   """Packed documents (prepared data) cost cuDNN's kernel its mask; the blockwise kernel costs
   more; 256-wide heads run on cuDNN on Hopper, XLA's attention before it; a soft-cap takes the
