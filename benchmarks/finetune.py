@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -51,14 +52,14 @@ def sh(*args, timeout=600):
 def phases(metrics: Path) -> dict:
   """Medians of the step's parts after the first step (metrics.jsonl), and of the step over each
   quarter of the run (does it drift?)."""
-  import statistics  # noqa: PLC0415
   rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step_s" in r][1:]
   if not rows:
     return {}
-  med = lambda k, rs=rows: statistics.median(r[k] for r in rs)
   q = max(1, len(rows) // 4)
-  return {**{k: med(k) for k in ("step_s", "forward_s", "backward_s", "finish_s", "device_wait_s")},
-          "step_s_by_quarter": [med("step_s", rows[i:i + q]) for i in range(0, len(rows), q)]}
+  parts = ("step_s", "forward_s", "backward_s", "finish_s", "device_wait_s")
+  return {**{k: statistics.median(r[k] for r in rows) for k in parts},
+          "step_s_by_quarter": [statistics.median(r["step_s"] for r in rows[i:i + q])
+                                for i in range(0, len(rows), q)]}
 
 
 def corpus(work: Path, smoke: bool) -> Path:
