@@ -55,11 +55,12 @@ def phases(metrics: Path) -> dict:
   rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step_s" in r][1:]
   if not rows:
     return {}
-  q = max(1, len(rows) // 4)
+  n = len(rows)
+  quarters = [rows[i * n // 4:(i + 1) * n // 4] for i in range(4)]
   parts = ("step_s", "forward_s", "backward_s", "finish_s", "device_wait_s")
   return {**{k: statistics.median(r[k] for r in rows) for k in parts},
-          "step_s_by_quarter": [statistics.median(r["step_s"] for r in rows[i:i + q])
-                                for i in range(0, len(rows), q)]}
+          "step_s_by_quarter": [statistics.median(r["step_s"] for r in part)
+                                for part in quarters if part]}
 
 
 def corpus(work: Path, smoke: bool) -> Path:

@@ -203,7 +203,9 @@ def test_finetune_smoke_exports_what_transformers_reads_back(tmp_path):
   assert summary["logits_rel_err"] < 1e-5 and summary["argmax_agreement"] == 1.0
   assert summary["finetune"]["params"] == summary["hf_params"]
   phases = summary["finetune"]["phases"]  # the step's parts, from the run's metrics.jsonl
-  assert 0 < phases["forward_s"] < phases["step_s"] and len(phases["step_s_by_quarter"]) >= 1
+  timed = summary["finetune"]["steps"] - 1  # after the first
+  assert 0 < phases["forward_s"] < phases["step_s"]
+  assert len(phases["step_s_by_quarter"]) == min(4, timed)  # four parts, none left over
 
 
 @pytest.mark.soak  # ten processes, one after another (prepare, train, report)
