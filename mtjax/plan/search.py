@@ -143,7 +143,12 @@ def make(cfg: config_lib.Config, host_limit: int | None = None, device_limit: in
     return final(plan)
   shortest = min(p.schedule_s for p in fits.values())
   chosen = fits[min(q for q, p in fits.items() if p.schedule_s <= shortest * 1.01)]
-  return final(dataclasses.replace(chosen, runner_up=plan.runner_up))
+  runner_up = plan.runner_up
+  if runner_up is not None:  # the runner-up at the chosen queue, where its host holds that queue
+    r = build(runner_up[0], runner_up[1], chosen.grad_queue)
+    if r.fits_host and r.fits_pool:
+      runner_up = (runner_up[0], runner_up[1], r.schedule_s)
+  return final(dataclasses.replace(chosen, runner_up=runner_up))
 
 
 GRAD_QUEUES = (2, 4, 6, 8, 12, 16, 24)  # what engine.grad_queue=auto chooses among
