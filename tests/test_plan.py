@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -86,6 +87,39 @@ def test_device_bytes_of_the_layers_come_from_the_compiled_executables():
       w["temp"] + w["output"] for w in working.values())
   bigger = plan.compiled_memory(config.load(CONFIGS / "tiny.yaml", ["train.batch=16"]))
   assert bigger["block backward"]["temp"] > working["block backward"]["temp"]
+
+
+def test_a_child_process_compiles_the_same_executables():
+  cfg = config.load(CONFIGS / "tiny.yaml", ["engine.device_state_layers=0"])
+  assert plan.probe.compiled_memory_apart(cfg) == plan.compiled_memory(cfg)
+
+
+def test_the_pinned_pool_is_capped_for_the_plan_of_the_compiled_executables(monkeypatch):
+  """Before the backend starts, a placement that keeps groups on the host caps the pinned pool for
+  the plan made with the executables' device bytes compiled in a child process, not the formula's
+  estimate: the 14.77B shape on the H200's memories, where XLA's analysis (8.03 GiB) lets one more
+  group into device memory and the host take a deeper gradient queue."""
+  GiB = 2**30
+  host = int(125.8 * GiB)
+  compiled = {"head": {"argument": 0, "output": 0, "temp": int(8.03 * GiB), "alias": 0}}
+  asked = []
+  monkeypatch.setattr(plan.probe, "backend_started", lambda: False)
+  monkeypatch.setattr(plan.probe, "probe_device_memory", lambda: 143771 * 2**20)
+  monkeypatch.setattr(plan.probe, "probe_device_count", lambda: 1)
+  monkeypatch.setattr(plan.probe, "compiled_memory_apart", lambda c, n: asked.append(n) or compiled)
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+  monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+  cfg = config.load(CONFIGS / "qwen2.5_14b.yaml")
+  with pytest.raises(plan.PlanError, match="host memory"):  # this CPU then runs it all on the host
+    plan.prepare(cfg, host_limit=host)
+  limit = int(143771 * 2**20 * 0.92)
+  one = lambda c: dataclasses.replace(c, engine=dataclasses.replace(c.engine, devices=1))
+  estimated, exact = (plan.make(one(cfg), host, limit, plan.Rates(), w) for w in (None, compiled))
+  assert asked == [1] and exact.device_state_layers > estimated.device_state_layers
+  assert exact.grad_queue > estimated.grad_queue
+  cap = int(os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"]) * GiB
+  assert cap == plan.memory.pinned_pool_bytes(exact.pinned) > plan.memory.pinned_pool_bytes(
+      estimated.pinned)
 
 
 def test_peak_rss_during_init_stays_near_the_state(tmp_path):

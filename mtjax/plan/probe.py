@@ -5,9 +5,11 @@ fraction); then `prepare`, which plans a run and makes every placement choice on
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import statistics
 import subprocess
+import sys
 import time
 
 from mtjax import config as config_lib, models
@@ -75,7 +77,7 @@ def prepare(cfg: config_lib.Config, host_limit: int | None = None
 
   host_limit = host_memory_limit() if host_limit is None else host_limit
   fresh = not backend_started()
-  pinned_cap = None
+  pinned_cap = early = None
   if fresh:
     total, count = probe_device_memory(), probe_device_count()
     first_cfg = _with_devices(cfg, devices_of(cfg, count))
@@ -85,7 +87,18 @@ def prepare(cfg: config_lib.Config, host_limit: int | None = None
       frac = min(want * GiB / total, 1.0) if want else DEVICE_MEMORY_FRACTION
       os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{frac:.4f}")
       limit = int(total * float(os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"]))
-    first = make(first_cfg, host_limit, limit, Rates(accelerator=total is not None))
+    rates = Rates(accelerator=total is not None)
+    first = make(first_cfg, host_limit, limit, rates)
+    e = cfg.engine
+    if (total is not None and set(first.tiers) != {"device"} and first.fits_host
+        and "auto" in (e.device_state_layers, e.device_update_layers, e.grad_queue)):
+      # Host groups pin their weights and queued gradients, so the pool's cap turns on how many
+      # groups stay on the host and how deep the queue is, which the executables' device bytes
+      # decide (estimated by formula above, 30-45% over XLA's own analysis on the H200): here
+      # they are compiled in a child process, and the re-plan below uses them too.
+      early = compiled_memory_apart(first_cfg, first_cfg.engine.devices)
+      if early is not None:
+        first = make(first_cfg, host_limit, limit, rates, early)
     configure_pinned_pool(first.pinned)
   device = jax.local_devices()[0]
   accel = device.platform != "cpu"
@@ -109,7 +122,10 @@ def prepare(cfg: config_lib.Config, host_limit: int | None = None
   # The layer executables' device bytes from XLA's own analysis; on the CPU backend "device" memory
   # is host memory, nothing bounds it apart from the host, and the estimate serves (each compile
   # costs seconds there).
-  working = compiled_memory(cfg, device, n_all) if accel else None
+  working = None
+  if accel:
+    working = (early if early is not None and n_all == first_cfg.engine.devices
+               else compiled_memory(cfg, device, n_all))
   rule = opt_lib.UpdateRule(cfg.optim, cfg.decay_steps)
   opt_bytes = {k: rule.state_bytes(lay) for k, lay in models.spec(cfg.model).layouts.items()}
   from mtjax.engine import device_capability  # noqa: PLC0415 - jax: loaded when used
@@ -236,3 +252,27 @@ def compiled_memory(cfg: config_lib.Config, device=None, devices: int = 1
 
 
 _COMPILED_MEMORY: dict = {}
+
+
+def compiled_memory_apart(cfg: config_lib.Config, devices: int = 1, timeout: float = 600
+                          ) -> dict[str, dict[str, int]] | None:
+  """`compiled_memory` in a child process, for a plan made before this process's backend starts
+  (the backend reads the pinned pool's cap once, when it starts). The child starts its own backend
+  without preallocating device memory and exits before this one starts. None where it fails: the
+  plan then estimates the executables' bytes."""
+  code = ("import json, sys\n"
+          "from mtjax import config\n"
+          "from mtjax.plan.probe import compiled_memory\n"
+          "cfg = config.from_dict(json.load(sys.stdin))\n"
+          "print(json.dumps(compiled_memory(cfg, None, int(sys.argv[1]))))\n")
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+             PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+  try:
+    out = subprocess.run([sys.executable, "-c", code, str(devices)], capture_output=True,
+                         input=json.dumps(config_lib.to_dict(cfg)), text=True, env=env,
+                         timeout=timeout)
+    if out.returncode == 0:
+      return json.loads(out.stdout.strip().splitlines()[-1])
+  except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+    pass
+  return None
