@@ -254,7 +254,7 @@ def compiled_memory(cfg: config_lib.Config, device=None, devices: int = 1
 _COMPILED_MEMORY: dict = {}
 
 
-def compiled_memory_apart(cfg: config_lib.Config, devices: int = 1, timeout: float = 600
+def compiled_memory_apart(cfg: config_lib.Config, devices: int = 1, timeout: float = 300
                           ) -> dict[str, dict[str, int]] | None:
   """`compiled_memory` in a child process, for a plan made before this process's backend starts
   (the backend reads the pinned pool's cap once, when it starts). The child starts its own backend
