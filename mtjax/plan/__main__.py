@@ -61,7 +61,7 @@ def format_plan(plan: Plan) -> str:
   if plan.runner_up is not None:
     n_dev, n_str, t = plan.runner_up
     why = (" (all state in device memory is taken when it fits: no host RAM, no link traffic)"
-           if plan.tiers.count("device") == len(plan.tiers) and t < plan.schedule_s else "")
+           if set(plan.tiers) == {"device"} and t < plan.schedule_s else "")
     lines.append(f"runner-up placement: {n_dev} groups in device memory, {n_str} streamed: "
                  f"{t:.3f} s simulated{why}")
   return "\n".join(lines)
