@@ -6,7 +6,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the whole run, shared by the xdist workers and the
 # subprocesses that tests start (they inherit the environment): many tests compile the same layer
 # functions at the same tiny shapes, and a hit returns the executable XLA compiled for the same
-# program, so the numerics are those of a fresh compile. The controller makes the folder (the
+# program, so the numerics are those of a fresh compile (an entry read while another process still
+# writes it fails to decompress: jax warns and compiles). The controller makes the folder (the
 # workers inherit the variable) and removes it at the end; a cache set from outside is kept.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="mtjax-tests-jax-cache-")
