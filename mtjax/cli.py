@@ -1,34 +1,15 @@
-"""What every command shares: the config as a command reads it (YAML, dotted overrides, a Hugging
-Face model's config.json, the model family checked), a bad config as a one-line error, and the exit
-codes every command keeps to (docs/reliability.md).
-"""
+"""What every command that reads a config shares: the config as a command reads it (YAML, dotted
+overrides, a Hugging Face model's config.json, the model family checked), and a bad config as a
+one-line error with exit code 2 (the codes are mtjax.exits')."""
 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import sys
 from pathlib import Path
 
-from mtjax import config, hf, models
+from mtjax import config, exits, hf, models
 from mtjax.config import TRAINING_KNOBS, Config, ConfigError
-
-# Exit codes: a script tells what happened from the code alone; stderr holds one line saying why.
-OK = 0  # the command did what it was asked
-FAILED = 1  # an internal failure (a host update that failed, a bug): the last checkpoint is intact
-BAD_INPUT = 2  # a bad config, path, data file or checkpoint, refused before anything was changed
-DIVERGED = 3  # train.max_skipped_steps steps in a row had a non-finite loss or gradient
-IO_FAILURE = 74  # a write failed (full disk, permissions, a vanished folder); sysexits' EX_IOERR
-INTERRUPTED = 128  # plus the signal's number (130 SIGINT, 143 SIGTERM): stopped, the step saved
-
-IO_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS)  # the machine's, not the input's
-
-
-def exit_code_of_os_error(e: OSError) -> int:
-  """A write the machine failed (full disk, quota, device error, read-only) is an I/O failure;
-  any other OSError is a path the user gave that does not work (bad input)."""
-  return IO_FAILURE if e.errno in IO_ERRNOS else BAD_INPUT
-
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
   """Reads YAML (with `base:` files merged first, relative to it), then applies dotted overrides;
@@ -89,4 +70,4 @@ def parse_cli(parser, argv=None):
     return args, load_config(args.config, args.overrides)
   except ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
-    raise SystemExit(BAD_INPUT) from None
+    raise SystemExit(exits.BAD_INPUT) from None

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mtjax import checkpoint, cli, config as config_lib, hf, models
+from mtjax import checkpoint, cli, config as config_lib, exits, hf, models
 
 
 def checkpoint_groups(path: Path, names: list[str], sums: dict | None = None):
@@ -122,15 +122,15 @@ def main(argv=None) -> int:
     out = export_checkpoint(path, args.out, args.dtype, args.source)
   except ValueError as e:
     print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-    return cli.BAD_INPUT
+    return exits.BAD_INPUT
   except OSError as e:
     print(f"error: {checkpoint.reason(e)}", file=sys.stderr)
-    return cli.exit_code_of_os_error(e)
+    return exits.of_os_error(e)
   except Exception as e:  # noqa: BLE001 - a bug: one line, not a traceback
     print(f"internal error: {type(e).__name__}: {' '.join(str(e).split())[:300]}", file=sys.stderr)
-    return cli.FAILED
+    return exits.FAILED
   print(f"exported {path} -> {out}")
-  return cli.OK
+  return exits.OK
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 import jax
 from tqdm.auto import tqdm
 
-from mtjax import cli, config as config_lib
+from mtjax import cli, config as config_lib, exits
 from mtjax import checkpoint, data, dpo, export, hf, models, plan as plan_lib, runlog
 from mtjax import store as store_lib
 from mtjax.engine import Engine
@@ -74,7 +74,7 @@ class Saves:
   """The run's checkpoint saves: a save that fails (a full disk, permissions, a vanished folder)
   leaves the state as it was and warns once, naming the folder, the reason and the last good
   checkpoint; the next interval tries again. A second failure in a row, or a failed final save,
-  raises SaveFailed (exit code cli.IO_FAILURE)."""
+  raises SaveFailed (exit code exits.IO_FAILURE)."""
 
   def __init__(self, directory: str, keep: int):
     self.directory, self.keep = directory, keep
@@ -578,32 +578,32 @@ def main(argv: list[str] | None = None) -> int:
                   json_path=args.json)
   except plan_lib.PlanError as e:
     print(f"refused: {e}", file=sys.stderr)
-    return cli.BAD_INPUT
+    return exits.BAD_INPUT
   except (Stopped, Abandoned) as e:
     print(f"{e}", file=sys.stderr)
-    return cli.INTERRUPTED + (signal.SIGTERM if "SIGTERM" in str(e) else signal.SIGINT)
+    return exits.INTERRUPTED + (signal.SIGTERM if "SIGTERM" in str(e) else signal.SIGINT)
   except TooManySkipped as e:
     print(f"error: {e}", file=sys.stderr)
-    return cli.DIVERGED
+    return exits.DIVERGED
   except HostUpdateError as e:
     print(f"error: {e}", file=sys.stderr)
-    return cli.FAILED
+    return exits.FAILED
   except checkpoint.SaveFailed as e:
     print(f"error: {e}", file=sys.stderr)
-    return cli.IO_FAILURE
+    return exits.IO_FAILURE
   except (ValueError, OSError, KeyError) as e:  # bad input: data, checkpoint, paths, HF files
     if args.debug:
       raise
     msg = " ".join(str(e).split()) or type(e).__name__
     print(f"error: {msg}", file=sys.stderr)
-    return cli.exit_code_of_os_error(e) if isinstance(e, OSError) else cli.BAD_INPUT
+    return exits.of_os_error(e) if isinstance(e, OSError) else exits.BAD_INPUT
   except Exception as e:  # noqa: BLE001 - a bug: one line here, the traceback in the log file
     if args.debug:
       raise
     where = internal_error_log(cfg, e)
     print(f"internal error: {type(e).__name__}: {' '.join(str(e).split())[:300]} (traceback in "
           f"{where}; --debug shows it here)", file=sys.stderr)
-    return cli.FAILED
+    return exits.FAILED
   if not args.quiet:
     print(format_summary(summary))
   if args.json:

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from mtjax import cli, config, plan
+from mtjax import cli, config, exits, plan
 
 ROOT = Path(__file__).parent.parent
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -153,7 +153,7 @@ def test_a_failed_save_is_retried_and_a_second_in_a_row_ends_the_run(tmp_path, m
   ck = tmp_path / "ck"
   full_disk_at(monkeypatch, {2})
   code, err = main("train.steps=6", "train.checkpoint_every=2", f"train.checkpoint_dir={ck}")
-  assert code == cli.OK, err
+  assert code == exits.OK, err
   warning, = err.strip().splitlines()  # one line: the folder, the reason, the last good one
   assert (f"cannot write step_2 in {ck} (No space left on device); last good checkpoint: none; "
           f"trying again" in warning)
@@ -162,7 +162,7 @@ def test_a_failed_save_is_retried_and_a_second_in_a_row_ends_the_run(tmp_path, m
   # Two failures in a row: the run ends with the I/O exit code; the last good checkpoint stays.
   full_disk_at(monkeypatch, {10, 12})
   code, err = main("train.steps=14", "train.checkpoint_every=2", f"train.checkpoint_dir={ck}")
-  assert code == cli.IO_FAILURE, err
+  assert code == exits.IO_FAILURE, err
   lines = err.strip().splitlines()
   assert len(lines) == 2 and "Traceback" not in err
   assert lines[1] == (f"error: checkpoint: cannot write step_12 in {ck} (No space left on device); "
@@ -172,7 +172,7 @@ def test_a_failed_save_is_retried_and_a_second_in_a_row_ends_the_run(tmp_path, m
   # A final save that fails ends the run the same way.
   full_disk_at(monkeypatch, {9})
   code, err = main("train.steps=9", f"train.checkpoint_dir={ck}")
-  assert code == cli.IO_FAILURE and "the final save failed" in err and len(err.splitlines()) == 1
+  assert code == exits.IO_FAILURE and "the final save failed" in err and len(err.splitlines()) == 1
   assert (ck / "train.log").exists()  # the run folder's log holds the warnings too
   monkeypatch.undo()
 
@@ -198,7 +198,7 @@ def test_a_real_full_disk_ends_in_one_line_and_tracebacks_go_to_the_log(tmp_path
   code, err = main("train.steps=12", "train.checkpoint_every=2", "train.keep_checkpoints=1",
                    f"train.checkpoint_dir={ck}", f"train.run_dir={tmp_path / 'run'}",
                    "train.allow_low_disk=true")
-  assert code == cli.IO_FAILURE, err
+  assert code == exits.IO_FAILURE, err
   warning, error = err.strip().splitlines()
   assert "No space left on device" in warning and "trying again" in warning
   assert error.startswith("error: checkpoint: cannot write ") and "2 saves in a row" in error
@@ -216,19 +216,19 @@ def test_too_little_disk_is_refused_with_both_numbers_unless_accepted(tmp_path, 
   ck = tmp_path / "ck"
   code, err = main("train.steps=2", f"train.checkpoint_dir={ck}", "train.keep_checkpoints=2",
                    "train.checkpoint_every=1")
-  assert code == cli.BAD_INPUT, err
+  assert code == exits.BAD_INPUT, err
   assert err.startswith(f"refused: not enough disk space: {ck} has 0.3 MiB free, the run needs ")
   assert "train.allow_low_disk=true" in err and len(err.splitlines()) == 1
   assert not (ck / "step_1").exists()
   code, err = main("train.steps=2", f"train.checkpoint_dir={ck}", "train.allow_low_disk=true")
-  assert code == cli.OK, err
+  assert code == exits.OK, err
 
 
 def test_a_bug_is_one_line_and_its_traceback_goes_to_the_run_log(tmp_path, main, monkeypatch):
   from mtjax import engine
   monkeypatch.setattr(engine.Engine, "step", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
   code, err = main("train.steps=2", f"train.run_dir={tmp_path}")
-  assert code == cli.FAILED and len(err.strip().splitlines()) == 1
+  assert code == exits.FAILED and len(err.strip().splitlines()) == 1
   assert err.startswith("internal error: RuntimeError: boom") and "Traceback" not in err
   assert "Traceback" in (tmp_path / "train.log").read_text()
 
@@ -247,13 +247,13 @@ def test_export_is_atomic_verified_and_a_rerun_finishes_it(tmp_path, main, monke
   from mtjax import hf
   ck = tmp_path / "ck"
   assert main("train.steps=2", f"train.checkpoint_dir={ck}")[0] == 0
-  assert export_main("--checkpoint", ck, "--out", tmp_path / "a") == cli.OK
+  assert export_main("--checkpoint", ck, "--out", tmp_path / "a") == exits.OK
   want = tree_bytes(tmp_path / "a")
   # What a killed export leaves beside its target is cleared, and the export finishes.
   (tmp_path / ".b.partial").mkdir()
   (tmp_path / ".b.partial" / "model.safetensors").write_bytes(b"half")
   (tmp_path / "..b.partial.tmp-0badc0de").mkdir()
-  assert export_main("--checkpoint", ck, "--out", tmp_path / "b") == cli.OK
+  assert export_main("--checkpoint", ck, "--out", tmp_path / "b") == exits.OK
   assert tree_bytes(tmp_path / "b") == want
   assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "ck"]
   # A full disk: the I/O exit code, nothing at the target, nothing left beside it.
@@ -262,12 +262,12 @@ def test_export_is_atomic_verified_and_a_rerun_finishes_it(tmp_path, main, monke
       real(path, items), path.write_bytes(path.read_bytes()[:50]),
       (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device"))))
   capsys.readouterr()
-  assert export_main("--checkpoint", ck, "--out", tmp_path / "c") == cli.IO_FAILURE
+  assert export_main("--checkpoint", ck, "--out", tmp_path / "c") == exits.IO_FAILURE
   assert capsys.readouterr().err == "error: No space left on device\n"
   # A shard written short without an error (a lying disk): verification refuses it.
   monkeypatch.setattr(hf, "_write_safetensors", lambda path, items: (
       real(path, items), path.write_bytes(path.read_bytes()[:-8])))
-  assert export_main("--checkpoint", ck, "--out", tmp_path / "c") == cli.BAD_INPUT
+  assert export_main("--checkpoint", ck, "--out", tmp_path / "c") == exits.BAD_INPUT
   assert len(capsys.readouterr().err.splitlines()) == 1
   assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "ck"]
 
@@ -435,14 +435,14 @@ def soak(tmp_path, n_faults, kinds, monkeypatch, steps):
       failures += 1
       if code is None:  # killed: the user runs the same command again
         continue
-      assert code in (cli.BAD_INPUT, cli.IO_FAILURE), (code, err)
+      assert code in (exits.BAD_INPUT, exits.IO_FAILURE), (code, err)
       if stage == "train" and str(w.prep) in err:  # the data is bad: prepare it again
         stage = "prepare"
       elif stage == "train" and "reached already" in err:  # trained: export
         stage = "export"
       elif stage == "export" and "exists and is not an empty folder" in err:
         stage = "done"  # a kill landed after the rename: the export is in place, whole
-      elif stage == "export" and code == cli.BAD_INPUT:  # a damaged checkpoint: train again
+      elif stage == "export" and code == exits.BAD_INPUT:  # a damaged checkpoint: train again
         stage = "train"
     assert tree_bytes(w.out) == want, f"run {runs}: the export differs from the uninterrupted one"
     recovered.update(k for r, _, k, _, _ in log if r == runs and k)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from mtjax import checkpoint, config, data, engine, plan, store as store_lib
-from mtjax import cli as mtjax_cli
+from mtjax import exits
 
 TINY = Path(__file__).parent.parent / "configs" / "tiny.yaml"
 # decay_steps fixed: runs of different lengths share one schedule, so they can be compared.
@@ -67,7 +67,7 @@ def test_sigterm_finishes_the_step_saves_and_the_resumed_run_is_exact(tmp_path):
   wait_for_step(ck, 2, proc)
   proc.send_signal(signal.SIGTERM)
   out, err = proc.communicate(timeout=120)
-  assert proc.returncode == mtjax_cli.INTERRUPTED + signal.SIGTERM, err
+  assert proc.returncode == exits.INTERRUPTED + signal.SIGTERM, err
   assert "Traceback" not in err
   line = [l for l in err.splitlines() if l.startswith("stopped by SIGTERM")]
   assert len(line) == 1, err
@@ -88,7 +88,7 @@ def test_a_second_signal_abandons_the_step_without_a_traceback(tmp_path):
   proc.send_signal(signal.SIGINT)
   proc.send_signal(signal.SIGINT)
   out, err = proc.communicate(timeout=120)
-  assert proc.returncode == mtjax_cli.INTERRUPTED + signal.SIGINT, err
+  assert proc.returncode == exits.INTERRUPTED + signal.SIGINT, err
   assert "Traceback" not in err, err
   ends = [l for l in err.splitlines() if l.startswith(("abandoned by a second SIGINT",
                                                          "stopped by SIGINT"))]
@@ -145,7 +145,7 @@ def test_non_finite_steps_are_skipped_logged_and_stop_the_run(tmp_path):
   assert f"step {s['skipped_steps'][0]} skipped" in r.stderr
   r = cli(*COMMON, "optim.lr=1e30", "optim.warmup_steps=0", "train.steps=50",
           "train.max_skipped_steps=3", "--json", str(tmp_path / "t.json"))
-  assert r.returncode == mtjax_cli.DIVERGED and "3 steps in a row" in r.stderr and "Traceback" not in r.stderr
+  assert r.returncode == exits.DIVERGED and "3 steps in a row" in r.stderr and "Traceback" not in r.stderr
   assert not (tmp_path / "t.json").exists()
 
 
