@@ -8,8 +8,12 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from mtjax import config, exits, hf, models
+from mtjax import config, exits, hf, models, objectives
 from mtjax.config import TRAINING_KNOBS, Config, ConfigError
+
+# Model keys a run may set beyond its config.json: the context it is trained to.
+LENGTH_KNOBS = ("max_position",)
+
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
   """Reads YAML (with `base:` files merged first, relative to it), then applies dotted overrides;
@@ -18,6 +22,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
   raw = with_hf_model(config.read(path, overrides))
   cfg = config.from_dict(raw)
   models.get(cfg.model.family)  # a family mtjax has
+  objectives.get(cfg.train).check(cfg)  # what the objective needs of the rest of the config
   return cfg
 
 
@@ -41,6 +46,8 @@ def with_hf_model(raw: dict) -> dict:
   for k, v in fields.items():
     if k not in model or (k in ("kv_heads", "head_dim") and mine_w[k] == theirs_w[k]):
       continue
+    if k in LENGTH_KNOBS:  # how far this run trains the model, which the export then records
+      continue
     if dataclasses.is_dataclass(v) and isinstance(model[k], dict):  # a section: key by key
       section = dataclasses.asdict(v)
       for sub, mine in model[k].items():
@@ -60,14 +67,15 @@ def _plain(v):
   return list(v) if isinstance(v, tuple) else v
 
 
-def parse_cli(parser, argv=None):
+def parse_cli(parser, argv=None, extra=None):
   """Adds --config and dotted overrides to `parser`, parses `argv` and loads the config; a bad
-  config ends the program with exit code 2 and a one-line message. Returns (args, config)."""
+  config ends the program with exit code 2 and a one-line message. `extra(args)` may give more
+  overrides from the command's own flags (applied last). Returns (args, config)."""
   parser.add_argument("--config", help="YAML config file (default: every setting at its default)")
   parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=5")
   args = parser.parse_args(argv)
   try:
-    return args, load_config(args.config, args.overrides)
+    return args, load_config(args.config, [*args.overrides, *(extra(args) if extra else [])])
   except ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     raise SystemExit(exits.BAD_INPUT) from None

@@ -355,7 +355,7 @@ class TrainConfig:
   steps: int = 20  # optimizer steps to run
   batch: int = 8  # sequences per optimizer step (global batch)
   grad_accum: int = 1  # forward/backward passes per optimizer step, each over batch / grad_accum sequences (weights streamed once per pass); the gradient is the whole batch's
-  objective: Literal["lm", "dpo"] = "lm"  # lm: next-token cross-entropy; dpo: preference pairs (train.dpo, data from mtjax.dpo)
+  objective: Literal["lm", "dpo"] = "lm"  # lm: next-token cross-entropy; dpo: preference pairs (train.dpo, data from mtjax.dpo); each is a class of mtjax.objectives' registry
   dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)  # objective dpo only
   seq: int = 64  # tokens per sequence
   seed: int = 0  # seeds the weight init and the data stream
@@ -381,10 +381,6 @@ class TrainConfig:
     if self.batch % self.grad_accum:
       raise ConfigError(f"train.grad_accum: {self.grad_accum} does not divide train.batch "
                         f"({self.batch})")
-    if self.objective == "dpo" and (self.batch // self.grad_accum) % 2:
-      raise ConfigError(f"train.objective: dpo takes (chosen, rejected) pairs, so each pass's "
-                        f"train.batch / train.grad_accum ({self.batch} / {self.grad_accum}) "
-                        f"sequences must be even")
     if self.checkpoint_every < 0:
       raise ConfigError(f"train.checkpoint_every: {self.checkpoint_every} must be >= 0")
     if self.profile_step < 0:
@@ -414,14 +410,6 @@ class Config:
       raise ConfigError(f"train.eval_every: {self.train.eval_every} needs held-out data: prepared "
                         f"data with a val split (data.source=prepared, from `python -m mtjax.data "
                         f"prepare --val-fraction 0.02`); set train.eval_every=0 to train without it")
-    if self.train.objective == "dpo" and self.data.source != "prepared":
-      raise ConfigError(f"train.objective: dpo needs preference pairs: set data.source=prepared "
-                        f"and data.path to their folder (`python -m mtjax.data prepare --format "
-                        f"preference`, or chosen.npy, rejected.npy and their masks; "
-                        f"mtjax.dpo), not data.source={self.data.source}")
-    if self.train.objective == "dpo" and self.train.eval_every:
-      raise ConfigError("train.eval_every: held-out evaluation is next-token loss; with "
-                        "train.objective=dpo set train.eval_every=0")
     mb, per_pass = self.engine.micro_batch, self.train.batch // self.train.grad_accum
     if mb is not None and per_pass % mb:
       raise ConfigError(f"engine.micro_batch: {mb} does not divide the {per_pass} sequences of a "

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtjax import data as data_lib
+from mtjax import config as config_lib, data as data_lib, objectives
 
 PAIR_FILES = ("chosen.npy", "chosen_mask.npy", "rejected.npy", "rejected_mask.npy")
 REF_FILE, REF_KEY_FILE = "ref_logps.npy", "ref_logps.json"
@@ -149,15 +149,20 @@ def from_prepared(prepared: data_lib.Pairs, seq: int) -> tuple[Pairs, int]:
   return Pairs(**arrays), cut
 
 
-def load_pairs(path: str | Path, seq: int, vocab: int) -> Pairs:
-  """The pairs in a folder (see the module's docstring), checked against train.seq and the vocab."""
+def load_pairs(path: str | Path, seq: int, vocab: int, split: str = "train") -> Pairs:
+  """The pairs of a split in a folder (see the module's docstring), checked against train.seq and
+  the vocab; a folder of .npy files holds a train split only."""
   path = Path(path)
   if (path / "meta.json").is_file():  # prepared by mtjax.data (checked against its checksums)
-    pairs, cut = from_prepared(data_lib.read_pairs(path, "train", vocab), seq)
+    pairs, cut = from_prepared(data_lib.read_pairs(path, split, vocab), seq)
     if cut:
-      log.warning("dpo: %d of %d pairs are longer than train.seq + 1 = %d tokens and were cut",
-                  cut, len(pairs), seq + 1)
+      log.warning("dpo: %d of %d %s pairs are longer than train.seq + 1 = %d tokens and were cut",
+                  cut, len(pairs), split, seq + 1)
     return pairs
+  if split != "train":
+    raise ValueError(f"data.path: {path} holds .npy pairs, which have no {split} split; prepare "
+                     f"them with `python -m mtjax.data prepare --format preference "
+                     f"--val-fraction 0.05`, or set train.eval_every=0")
   missing = [f for f in PAIR_FILES if not (path / f).is_file()]
   if missing:
     raise ValueError(f"train.objective: dpo needs preference pairs in data.path ({path}): "
@@ -224,23 +229,26 @@ def model_key(model: dict, seed: int, engine: dict, from_hf: str | None) -> str:
   return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def cached_reference(folder: str | Path, key: dict, compute) -> tuple[np.ndarray, bool]:
-  """The reference log-probs stored in `folder` under `key`, or `compute()`'s, then stored.
+def cached_reference(folder: str | Path, key: dict, compute, split: str = "train"
+                     ) -> tuple[np.ndarray, bool]:
+  """The reference log-probs of a split's pairs stored in `folder` under `key`, or `compute()`'s,
+  then stored (the train split's as ref_logps.npy, another's as ref_logps.SPLIT.npy).
 
   Returns (log-probs, whether they were computed now). The array and its key are written to
   temporary names and renamed, the key last, so an interrupted write is recomputed next time."""
   folder = Path(folder)
-  arr_path, key_path = folder / REF_FILE, folder / REF_KEY_FILE
+  stem = lambda name: name if split == "train" else name.replace(".", f".{split}.", 1)
+  arr_path, key_path = folder / stem(REF_FILE), folder / stem(REF_KEY_FILE)
   try:
     if json.loads(key_path.read_text()) == key:
       return np.load(arr_path, allow_pickle=False), False
   except (OSError, ValueError):
     pass
   logps = compute()
-  tmp = folder / (REF_FILE + ".tmp.npy")
+  tmp = folder / (arr_path.name + ".tmp.npy")
   np.save(tmp, logps)
   os.replace(tmp, arr_path)
-  tmp_key = folder / (REF_KEY_FILE + ".tmp")
+  tmp_key = folder / (key_path.name + ".tmp")
   tmp_key.write_text(json.dumps(key, sort_keys=True))
   os.replace(tmp_key, key_path)
   return logps, True
@@ -261,16 +269,126 @@ class PairSource:
     return {"source": "pairs", "step": step, "epoch": n // len(self.pairs),
             "index": n % len(self.pairs)}
 
+  def epoch(self, step: int) -> int:
+    """The pass over the pairs that step `step`'s batch starts in (0 first)."""
+    return step * self.per // len(self.pairs)
 
-def training_source(cfg, engine, pairs: Pairs) -> tuple[PairSource, bool]:
-  """The run's pair source with the reference log-probs of `engine`'s current (initial) weights:
-  read from beside the pairs when stored for this model and data, else computed (one streamed
-  forward over the pairs) and stored. Returns (source, whether they were computed now)."""
-  from mtjax import config as config_lib  # noqa: PLC0415
+
+def _reference(cfg, engine, pairs: Pairs, split: str) -> tuple[np.ndarray, bool]:
+  """The reference log-probs of `pairs` under `engine`'s current (initial) weights: read from
+  beside the pairs when stored for this model and data, else computed (one streamed forward over
+  the pairs) and stored. Returns (log-probs, whether they were computed now)."""
   tc = cfg.train
   key = {"model": model_key(config_lib.to_dict(cfg.model), tc.seed, config_lib.to_dict(cfg.engine),
                             cfg.model.from_hf),
          "data": data_key(pairs), "rows": 2 * len(pairs)}
-  ref, computed = cached_reference(cfg.data.path, key, lambda: reference_logps(
-      engine, pairs, tc.batch // tc.grad_accum))
-  return PairSource(pairs, tc.batch, ref), computed
+  return cached_reference(cfg.data.path, key, lambda: reference_logps(
+      engine, pairs, tc.batch // tc.grad_accum), split)
+
+
+def training_source(cfg, engine, pairs: Pairs) -> tuple[PairSource, bool]:
+  """The run's pair source with the reference log-probs of `engine`'s current (initial) weights
+  (`_reference`). Returns (source, whether they were computed now)."""
+  ref, computed = _reference(cfg, engine, pairs, "train")
+  return PairSource(pairs, cfg.train.batch, ref), computed
+
+
+@dataclasses.dataclass(frozen=True)
+class _Checked:
+  train: Pairs
+  val: Pairs | None
+
+
+class _HeldOutPairs:
+  """The DPO loss and rewards over the val split's pairs (at most train.eval_batches batches of
+  the run's batch), each row against its reference log-prob computed like the training pairs'."""
+
+  def __init__(self, pairs: Pairs, ref: np.ndarray, batch: int, batches: int):
+    self.pairs, self.ref, self.per = pairs, ref, batch // 2
+    self.batches = min(batches, -(-len(pairs) // self.per))
+
+  def evaluate(self, engine) -> dict[str, float]:
+    return engine.held_out(self.pairs.batch(k * self.per, self.per, self.ref)
+                           for k in range(self.batches))
+
+
+@objectives.register
+class DirectPreference(objectives.Objective):
+  """Direct preference optimisation (the module's docstring): rows alternate chosen, rejected."""
+  name = "dpo"
+  rows_per_example = 2
+  head_forwards = 1  # the rows' log-probs first, then the cross-entropy backward they weigh
+  reads_initial_weights = True  # the reference log-probs are the initial weights'
+
+  def __init__(self, beta: float, loss: str, sft_weight: float):
+    self.settings = config_lib.DPOConfig(beta, loss, sft_weight)
+    self.loss = pair_objective(beta, loss, sft_weight)
+
+  @classmethod
+  def of(cls, train):
+    return cls(train.dpo.beta, train.dpo.loss, train.dpo.sft_weight)
+
+  def check(self, cfg):
+    t = cfg.train
+    if (t.batch // t.grad_accum) % 2:
+      raise config_lib.ConfigError(
+          f"train.objective: dpo takes (chosen, rejected) pairs, so each pass's train.batch / "
+          f"train.grad_accum ({t.batch} / {t.grad_accum}) sequences must be even")
+    if cfg.data.source != "prepared":
+      raise config_lib.ConfigError(
+          f"train.objective: dpo needs preference pairs: set data.source=prepared and data.path "
+          f"to their folder (`python -m mtjax.data prepare --format preference`, or chosen.npy, "
+          f"rejected.npy and their masks; mtjax.dpo), not data.source={cfg.data.source}")
+
+  def carries_documents(self, data):
+    return False  # one sequence a row, padded
+
+  def batch_weight(self, batch):
+    return batch.inputs.shape[0] / 2  # pairs: the loss is a mean over them
+
+  def head_step(self, fns):
+    def step(w_head, w_table, x_BxTxD, targets_BxT, mask_BxT, ref_B, pair_scale, sft_scale):
+      """A forward gives each row's log-prob, the pair loss its gradient c_B with respect to them;
+      as a row's log-prob is minus its masked tokens' cross-entropy, the cross-entropy backward
+      weighted -c_b on row b's masked tokens is the gradient of the loss (the head runs forward
+      twice: the price of never holding logits)."""
+      policy_B = fns.head_logps(w_head, w_table, x_BxTxD, targets_BxT, mask_BxT)
+      (loss, metrics), c_B = jax.value_and_grad(self.loss, has_aux=True)(policy_B, ref_B,
+                                                                         pair_scale, sft_scale)
+      _, dx, gh, gt = fns.head_step(w_head, w_table, x_BxTxD, targets_BxT, -c_B[:, None] * mask_BxT)
+      return loss, dx, gh, gt, metrics
+    return step
+
+  def head_inputs(self, batch):
+    B = batch.inputs.shape[0]
+    mask = objectives.response_mask(batch)
+    ref = getattr(batch, "ref_logps", None)
+    if ref is None or np.shape(ref) != (B,) or not np.all(np.isfinite(ref)):
+      raise ValueError(f"batch.ref_logps: a dpo batch needs the reference model's finite "
+                       f"log-prob of each of its {B} rows (mtjax.dpo)")
+    chosen = float(mask[0::2].sum())
+    if self.settings.sft_weight and not chosen:
+      raise ValueError("batch.loss_weights: train.dpo.sft_weight needs chosen response tokens")
+    return ((batch.targets, mask, np.asarray(ref, np.float32)),
+            (np.float32(2.0 / B), np.float32(1.0 / max(chosen, 1.0))))
+
+  def data(self, cfg):
+    t = cfg.train
+    pairs, val = load_pairs(cfg.data.path, t.seq, cfg.model.vocab_size), None
+    if t.eval_every:  # the held-out split is checked now, not at the first evaluation
+      try:
+        val = load_pairs(cfg.data.path, t.seq, cfg.model.vocab_size, "val")
+      except ValueError as e:
+        raise ValueError(f"train.eval_every: {t.eval_every} needs held-out pairs ({e}); prepare "
+                         f"with --val-fraction 0.05, or set train.eval_every=0") from None
+    return _Checked(pairs, val)
+
+  def sources(self, cfg, engine, checked):
+    src, computed = training_source(cfg, engine, checked.train)
+    held = None
+    if checked.val is not None:
+      ref, _ = _reference(cfg, engine, checked.val, "val")
+      held = _HeldOutPairs(checked.val, ref, cfg.train.batch, cfg.train.eval_batches)
+    line = (f"dpo: reference log-probs {'computed into' if computed else 'read from'} "
+            f"{cfg.data.path}")
+    return src, held, line

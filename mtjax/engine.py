@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtjax import models
+from mtjax import models, objectives
 from mtjax.models import grouped, layers
 from mtjax.config import Config, ModelConfig
 from mtjax.data import Batch
@@ -59,9 +59,6 @@ class LayerFns:
   block_bwd: dict  # kind -> (w, x_BxTxD, ctx, dy_BxTxD, daux) -> (dx_BxTxD, g_w, |g_w|^2)
   head_step: callable  # (w_head, w_table | None, x_BxTxD, targets_BxT, weights_BxT) -> (loss, dx, g_head, g_table)
   head_logps: callable  # (w_head, w_table | None, x_BxTxD, targets_BxT, mask_BxT) -> each row's sum of masked log-probs
-  # with a pair objective (mtjax.dpo): (w_head, w_table, x, targets, mask, ref_B, pair_scale,
-  # sft_scale) -> (loss, dx, g_head, g_table, metrics)
-  pair_head_step: callable | None = None
 
 
 def _micro(x, n, strided=True):
@@ -81,11 +78,12 @@ def _unmicro(x, strided=True):
 
 def layer_fns(spec: models.ModelSpec, compute_dtype, micro_batch: int | None, loss_chunk: int,
               attention: str | None = None, devices: int = 1, seq_tile: int | None = None,
-              strided: bool | None = None, moe_impl: str = "ragged", objective=None) -> LayerFns:
+              strided: bool | None = None, moe_impl: str = "ragged") -> LayerFns:
   """The layer functions of every kind of `spec`'s model; `micro_batch` counts sequences per chunk
   on each of `devices`, `seq_tile` tokens per tile of a block's per-token work (see
   models.block.Block). `strided` (default: several devices) splits micro-batches and loss chunks
-  so that each spans every device. `objective` (mtjax.dpo.pair_objective) adds the pair head."""
+  so that each spans every device. An objective builds its head step from head_step and
+  head_logps (mtjax.objectives)."""
   cd = compute_dtype
   cfg = spec.cfg
   lays = spec.layouts
@@ -198,21 +196,8 @@ def layer_fns(spec: models.ModelSpec, compute_dtype, micro_batch: int | None, lo
     dx = _unmicro(dx, strided)[:N].reshape(B, T, D)
     return jnp.sum(losses), dx, gh, gt
 
-  def pair_head_step(w_head, w_table, x_BxTxD, targets_BxT, mask_BxT, ref_B, pair_scale,
-                     sft_scale):
-    """A pair objective's loss and gradients: a forward gives each row's log-prob, the objective
-    its loss and gradient c_B with respect to them; as a row's log-prob is minus its masked
-    tokens' cross-entropy, the cross-entropy backward weighted -c_b on row b's masked tokens is
-    the gradient of the loss (the head runs forward twice: the price of never holding logits)."""
-    policy_B = head_logps(w_head, w_table, x_BxTxD, targets_BxT, mask_BxT)
-    (loss, metrics), c_B = jax.value_and_grad(objective, has_aux=True)(policy_B, ref_B,
-                                                                        pair_scale, sft_scale)
-    _, dx, gh, gt = head_step(w_head, w_table, x_BxTxD, targets_BxT, -c_B[:, None] * mask_BxT)
-    return loss, dx, gh, gt, metrics
-
   return LayerFns(embed_fwd, embed_bwd, {k: f for k, (f, _) in fns.items()},
-                  {k: b for k, (_, b) in fns.items()}, head_step, head_logps,
-                  None if objective is None else pair_head_step)
+                  {k: b for k, (_, b) in fns.items()}, head_step, head_logps)
 
 
 def attention_impl(choice: str, device: jax.Device, compute_dtype: str, cfg: ModelConfig,
@@ -440,9 +425,11 @@ class Engine:
     cfg: a resolved config (no `auto` left: `mtjax.plan.prepare` resolves it).
     store: the training state.
     overlap: False waits for every copy and update as it is issued (the benchmark's ablation).
+    objective: the loss at the head (mtjax.objectives); default the one train.objective names.
   """
 
-  def __init__(self, cfg: Config, store: LayerStore, overlap: bool = True):
+  def __init__(self, cfg: Config, store: LayerStore, overlap: bool = True,
+               objective: objectives.Objective | None = None):
     self.cfg = cfg
     self.store = store
     self.overlap = overlap
@@ -455,17 +442,12 @@ class Engine:
     self.spec = store.spec
     self.moe_impl = moe_impl(e.moe_impl, self.device, cfg.model, e.compute_dtype)
     tc = cfg.train
-    self.objective = tc.objective
-    objective = None
-    if tc.objective == "dpo":
-      from mtjax import dpo  # noqa: PLC0415 - the pair objective's math
-      objective = dpo.pair_objective(tc.dpo.beta, tc.dpo.loss, tc.dpo.sft_weight)
+    self.objective = objective or objectives.get(tc)
     if tc.grad_accum > 1 and store.multiprocess:
       raise ValueError("train.grad_accum: not supported yet in a run over several processes "
                        "(hosts); set it to 1")
     fns = layer_fns(self.spec, DTYPES[e.compute_dtype], e.micro_batch, e.loss_chunk,
-                    self.attention, len(store.devices), e.seq_tile, moe_impl=self.moe_impl,
-                    objective=objective)
+                    self.attention, len(store.devices), e.seq_tile, moe_impl=self.moe_impl)
     self.fns = fns
 
     def jit(fn, **kw):
@@ -486,11 +468,10 @@ class Engine:
     # The model's auxiliary loss (a mixture's load balance) from the blocks' sums, its gradient
     # with respect to them (each block's backward takes its share) and its metrics.
     self._aux = jax.jit(lambda sums: jax.value_and_grad(self.spec.aux_loss, has_aux=True)(sums))
-    self._lm_head = jit(fns.head_step)
-    if objective is None:
-      self._head = lambda *args: (*self._lm_head(*args), {})
-    else:
-      self._head = jit(fns.pair_head_step)
+    # The objective's head step, and any other objective's an evaluation asks for (by name).
+    self._heads = {self.objective.name: jit(self.objective.head_step(fns))}
+    self._head = self._heads[self.objective.name]
+    self._jit, self._fns = jit, fns
     self._logps = jit(fns.head_logps)
     self._scale = jax.jit(lambda tree, s: jax.tree.map(lambda a: a * s, tree))
     self._sumsq = jax.jit(lambda g: jnp.sum(g * g))
@@ -537,22 +518,22 @@ class Engine:
       self.store.wait(idx)
       jax.block_until_ready(out)
 
-  def _inputs(self, batch: Batch, passes: int | None = None, head: str | None = None
+  def _inputs(self, batch: Batch, passes: int | None = None, head_inputs=None
               ) -> list[_Inputs]:
     """Checks the batch and puts it on the device as `passes` (default train.grad_accum) slices
-    of consecutive rows; loss weights are normalised over the whole batch here, so the passes'
-    losses and gradients add up to the batch's. `head`: the objective's inputs (default the
-    run's objective), or "logps" (a response mask)."""
+    of consecutive rows, with the head's inputs from `head_inputs(batch)` (default the run's
+    objective's: mtjax.objectives), which normalises over the whole batch so that the passes'
+    losses and gradients add up to the batch's."""
     B, T = batch.inputs.shape
     V = self.cfg.model.vocab_size
     K = self.cfg.train.grad_accum if passes is None else passes
-    head = head or self.objective
     n, mb = len(self.store.devices), self.cfg.engine.micro_batch
-    pairs = 2 if head == "dpo" else 1
-    if B % (K * n * (mb or 1)) or B % (K * pairs):
+    group = self.objective.rows_per_example
+    if B % (K * n * (mb or 1)) or B % (K * group):
       raise ValueError(f"batch of {B} sequences: must split evenly over {n} device(s)"
                        + (f" in {K} passes" if K > 1 else "")
-                       + (" of (chosen, rejected) pairs" if pairs == 2 else "")
+                       + (f" of groups of {group} rows ({self.objective.name})" if group > 1
+                          else "")
                        + (f" in micro-batches of {mb}" if mb else ""))
     for name, a in (("inputs", batch.inputs), ("targets", batch.targets)):
       if a.shape != (B, T) or a.min(initial=0) < 0 or a.max(initial=0) >= V:
@@ -562,32 +543,7 @@ class Engine:
       a = getattr(batch, name, None)
       if a is not None and np.shape(a) != (B, T):
         raise ValueError(f"batch.{name}: expected shape {(B, T)}, got {np.shape(a)}")
-    lw = getattr(batch, "loss_weights", None)
-    if head == "lm":
-      if lw is None:
-        weights = np.full((B, T), 1.0 / (B * T), np.float32)
-      else:
-        total = float(np.sum(lw, dtype=np.float64))
-        if not total > 0 or not np.all(np.isfinite(lw)) or np.min(lw) < 0:
-          raise ValueError("batch.loss_weights: must be finite, >= 0 and not all 0")
-        weights = (np.asarray(lw, np.float64) / total).astype(np.float32)
-      rows = (batch.targets, weights)
-      scalars = ()
-    else:  # a response mask: each row's log-prob sums its targets where the mask is 1
-      if lw is None or not np.all((lw == 0) | (lw == 1)):
-        raise ValueError("batch.loss_weights: a pair objective needs a 0/1 response mask")
-      mask = np.asarray(lw, np.float32)
-      rows, scalars = (batch.targets, mask), ()
-      if head == "dpo":
-        ref = getattr(batch, "ref_logps", None)
-        if ref is None or np.shape(ref) != (B,) or not np.all(np.isfinite(ref)):
-          raise ValueError(f"batch.ref_logps: a dpo batch needs the reference model's finite "
-                           f"log-prob of each of its {B} rows (mtjax.dpo)")
-        chosen = float(mask[0::2].sum())
-        if self.cfg.train.dpo.sft_weight and not chosen:
-          raise ValueError("batch.loss_weights: train.dpo.sft_weight needs chosen response tokens")
-        rows = rows + (np.asarray(ref, np.float32),)
-        scalars = (np.float32(2.0 / B), np.float32(1.0 / max(chosen, 1.0)))
+    rows, scalars = (head_inputs or self.objective.head_inputs)(batch)
     pos = getattr(batch, "positions", None)
     seg = getattr(batch, "segments", None)
     if pos is None:
@@ -775,27 +731,40 @@ class Engine:
   def logps(self, batch: Batch) -> np.ndarray:
     """Each row's sum of log-probs of its targets where batch.loss_weights (a 0/1 response mask)
     is 1, under the current weights: one streamed forward, nothing kept, no update."""
-    inp, = self._inputs(batch, passes=1, head="logps")
+    inp, = self._inputs(batch, passes=1,
+                        head_inputs=lambda b: ((b.targets, objectives.response_mask(b)), ()))
     return np.asarray(jax.device_get(self._forward(inp, aux=False, head=self._logps)),
                       np.float32)
 
   def evaluate(self, batches) -> float:
-    """Loss over the targets of several batches (held-out data), no gradient kept, no update:
-    sum(nll * w) / sum(w) with each batch's loss weights. Batches weighing nothing are skipped."""
-    total, weight = 0.0, 0.0
+    """Token loss over the targets of several batches (held-out data), no gradient kept, no
+    update: sum(nll * w) / sum(w) with each batch's loss weights. Batches weighing nothing are
+    skipped."""
+    return self.held_out(batches, objectives.LanguageModel())["held_out_loss"]
+
+  def held_out(self, batches, objective: objectives.Objective | None = None) -> dict[str, float]:
+    """An objective's loss (default the run's) and metrics over several batches, no update, each
+    batch weighted by the objective's `batch_weight`: {"held_out_loss": ..., "held_out_<metric>":
+    ...}. Batches weighing nothing are skipped."""
+    objective = objective or self.objective
+    if objective.name not in self._heads:
+      self._heads[objective.name] = self._jit(objective.head_step(self._fns))
+    head = self._heads[objective.name]
+    sums, weight = collections.Counter(), 0.0
     for b in batches:
-      lw = getattr(b, "loss_weights", None)
-      w = float(np.prod(b.inputs.shape)) if lw is None else float(np.sum(lw, dtype=np.float64))
+      w = objective.batch_weight(b)
       if w <= 0:
         continue
-      inp, = self._inputs(b, passes=1, head="lm")
+      inp, = self._inputs(b, passes=1, head_inputs=objective.head_inputs)
       # the head's gradient work is the price of reuse
-      loss = self._forward(inp, aux=False, head=self._lm_head)[0]
-      total += float(loss) * w
+      loss, _, _, _, metrics = self._forward(inp, aux=False, head=head)
+      values = jax.device_get({"loss": loss, **metrics})
+      for k, v in values.items():
+        sums[k] += float(v) * w
       weight += w
     if weight == 0:
       raise ValueError("held-out data: no batch has a target the loss counts")
-    return total / weight
+    return {f"held_out_{k}": v / weight for k, v in sums.items()}
 
   def grads(self, batch: Batch) -> tuple[float, list[np.ndarray]]:
     """Loss and every group's fp32 gradient (host copies), streamed like a step; no update."""

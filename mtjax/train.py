@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -17,10 +18,9 @@ import time
 from pathlib import Path
 
 import jax
-from tqdm.auto import tqdm
 
-from mtjax import cli, config as config_lib, exits
-from mtjax import checkpoint, data, dpo, export, hf, models, plan as plan_lib, runlog
+from mtjax import cli, config as config_lib, exits, launch
+from mtjax import checkpoint, data, export, hf, models, objectives, plan as plan_lib, runlog
 from mtjax import store as store_lib
 from mtjax.engine import Engine
 from mtjax.optimizer import HostUpdateError
@@ -61,9 +61,22 @@ def device_peak_bytes(device) -> int | None:
 class Stopped(Exception):
   """A signal asked the run to stop; the current step finished and the state was saved."""
 
+  def __init__(self, signum: int, step: int, saved: Path | None):
+    self.signum = signum
+    super().__init__(f"stopped by {exits.signal_name(signum)} after step {step}; "
+                     + (f"saved {saved}" if saved else
+                        "nothing saved (no checkpoint_dir, or no step trained)"))
+
 
 class Abandoned(Exception):
-  """A second signal: the run stopped without finishing its step."""
+  """A second signal: the run stopped without finishing its step (`during`, None outside the
+  step loop)."""
+
+  def __init__(self, signum: int, during: int | None = None, last: Path | None = None):
+    self.signum, self.during = signum, during
+    where = f" during step {during}" if during is not None else ""
+    super().__init__(f"abandoned by a second {exits.signal_name(signum)}{where}; last "
+                     f"checkpoint: {last or 'none'}")
 
 
 class TooManySkipped(Exception):
@@ -207,7 +220,7 @@ class _Signals:
   def _handle(self, signum, frame):
     self.received.append(signum)
     if len(self.received) > 1:
-      raise Abandoned(signal.Signals(signum).name)
+      raise Abandoned(signum)
 
   def __exit__(self, *exc):
     for sig, old in self._old.items():
@@ -234,37 +247,64 @@ def check_outputs(cfg: config_lib.Config, json_path: str | None = None) -> None:
       raise ValueError(f"{key}: cannot write into {parent}")
 
 
-def run(cfg: config_lib.Config, progress: bool = True, on_plan=None, json_path: str | None = None
-        ) -> dict:
-  """Trains for cfg.train.steps steps and returns a summary of the run (see `_run`); SIGINT and
-  SIGTERM are handled from the start to the end of the run, the final sync included."""
-  with _Signals() as signals:
+def check_length(model: config_lib.ModelConfig, seq: int) -> None:
+  """Refuses sequences longer than the model was trained for (config.json's
+  max_position_embeddings), unless model.max_position is raised on purpose."""
+  if model.max_position is not None and seq > model.max_position:
+    raise ValueError(f"train.seq: {seq} tokens exceed the model's max_position_embeddings "
+                     f"({model.max_position}); set model.max_position={seq} to train beyond it "
+                     f"(its RoPE then extrapolates; the export records the new length)")
+
+
+def check_schedule(cfg: config_lib.Config) -> None:
+  """Refuses a resume whose learning-rate schedule would change mid-run: with optim.decay_steps
+  null the cosine spans train.steps, so a resume with other train.steps would re-stretch it from
+  the checkpoint's step on."""
+  tc = cfg.train
+  if not (tc.checkpoint_dir and tc.resume) or cfg.optim.decay_steps is not None:
+    return
+  for path in checkpoint.steps(tc.checkpoint_dir):
     try:
-      return _run(cfg, progress, on_plan, json_path, signals)
-    except Abandoned as e:
-      if str(e).startswith("abandoned"):
-        raise
-      # The second signal landed outside the step loop (start-up, the final save or sync).
-      ck = cfg.train.checkpoint_dir
-      last = checkpoint.latest(ck) if ck else None
-      raise Abandoned(f"abandoned by a second {e}; last checkpoint: {last or 'none'}") from None
+      saved = checkpoint.read_meta(path)["extra"]["config"]
+      steps, decay = saved["train"]["steps"], saved["optim"]["decay_steps"]
+    except (ValueError, OSError, KeyError, TypeError):
+      continue  # damaged: restore_latest skips it and says why
+    if decay is None and steps != tc.steps:
+      raise ValueError(
+          f"train.steps: {tc.steps} differs from the {steps} that {path} was trained toward, and "
+          f"with optim.decay_steps null the cosine schedule spans train.steps: set "
+          f"optim.decay_steps={steps} to keep its schedule (the steps after {steps} at the floor "
+          f"learning rate) or optim.decay_steps={tc.steps} to stretch it from here on")
+    return
 
 
-def _run(cfg: config_lib.Config, progress: bool, on_plan, json_path: str | None, signals
-         ) -> dict:
-  """Trains for cfg.train.steps steps and returns a summary of the run.
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+  """Every input of the run checked, before anything is allocated."""
+  objective: objectives.Objective
+  data: object  # what the objective's `data` checked (its sources are built from it)
 
-  Bad inputs (output paths, data files, a Hugging Face directory, a checkpoint of another model)
-  are refused before anything is trained. SIGINT/SIGTERM finish the current step, save a
-  checkpoint and raise Stopped; a second one raises Abandoned at once.
 
-  Args:
-    on_plan: called with the plan once the run is planned, before anything is allocated.
-    json_path: where the CLI will write the summary (checked up front).
-  """
-  check_outputs(cfg, json_path)
-  cfg, plan = plan_lib.prepare(cfg)  # refuses a run that cannot fit, before any allocation
-  if jax.process_count() > 1:  # asked only now: it starts the backend, which prepare sets up
+def check_inputs(cfg: config_lib.Config) -> Inputs:
+  """The objective's data files, the tokenizer they were prepared with, the sequence length, the
+  Hugging Face files and the schedule of a resume; each refusal is one line naming the key."""
+  objective = objectives.get(cfg.train)
+  objective.check(cfg)
+  check_length(cfg.model, cfg.train.seq)
+  if cfg.data.source == "prepared":
+    data.check_tokenizer(cfg.data.path, cfg.model.from_hf, cfg.model.vocab_size,
+                         cfg.data.allow_other_tokenizer)
+  checked = objective.data(cfg)
+  if cfg.model.from_hf:
+    hf.Checkpoint(cfg.model.from_hf).check(models.spec(cfg.model))
+  check_schedule(cfg)
+  return Inputs(objective, checked)
+
+
+def plan_run(cfg: config_lib.Config, on_plan=None) -> tuple[config_lib.Config, plan_lib.Plan]:
+  """The plan (refused before any allocation when it does not fit) and the disk it needs."""
+  cfg, plan = launch.plan_run(cfg)
+  if jax.process_count() > 1:  # asked only now: it starts the backend, which the launch sets up
     for key in ("checkpoint_dir", "export_dir"):
       if getattr(cfg.train, key):
         raise ValueError(f"train.{key}: not supported yet in a run over several processes "
@@ -272,175 +312,237 @@ def _run(cfg: config_lib.Config, progress: bool, on_plan, json_path: str | None,
   if on_plan is not None:
     on_plan(plan)
   check_disk(cfg, plan)
-  tc = cfg.train
-  src = pairs = None
-  if tc.objective == "dpo":  # checks the files; the source follows the reference log-probs
-    pairs = dpo.load_pairs(cfg.data.path, tc.seq, cfg.model.vocab_size)
-  else:
-    src = data.source(cfg.data, tc.batch, tc.seq, cfg.model.vocab_size, tc.seed)  # checks the files
-  if tc.eval_every:  # the held-out split is checked now, not at the first evaluation
-    try:
-      data.Prepared(cfg.data.path, "val", cfg.model.vocab_size)
-    except ValueError as e:
-      raise ValueError(f"train.eval_every: {tc.eval_every} needs held-out documents ({e}); "
-                       f"prepare the data with --val-fraction 0.02, or set train.eval_every=0"
-                       ) from None
-  if cfg.model.from_hf:
-    hf.Checkpoint(cfg.model.from_hf).check(models.spec(cfg.model))
-  folder = run_folder(cfg)
-  with _LibraryLogs(folder):
-    return _train(cfg, plan, src, pairs, folder, progress, signals)
+  return cfg, plan
 
 
-def _train(cfg: config_lib.Config, plan, src, pairs, folder: Path, progress: bool, signals
-           ) -> dict:
-  """The body of `_run` once every input is checked: allocate, restore, train, save, export.
-  `src` is the token source, or None with a pair objective's `pairs` (its source is built once
-  the reference log-probs of the initial weights are known)."""
-  tc = cfg.train
-  device = jax.local_devices()[0]
-  init_key = jax.random.key(tc.seed)  # the only key: data is seeded from train.seed by step
+@dataclasses.dataclass
+class Started:
+  """The run's state in memory, its data and where it came from."""
+  store: store_lib.LayerStore
+  engine: Engine
+  source: object  # batch(step), position(step), epoch(step)
+  held_out: object | None  # evaluate(engine) -> {metric: value}, or None
+  resumed: Path | None  # the checkpoint restored, or None
+  init_s: float  # seconds to allocate the state
+
+
+def start(cfg: config_lib.Config, inputs: Inputs) -> Started:
+  """Allocates the state, fills it (the checkpoint to resume, else the Hugging Face weights, else
+  the init) and builds the objective's sources; an objective that reads the initial weights (a
+  reference model) sees them before a checkpoint replaces them."""
+  tc, objective = cfg.train, inputs.objective
   t0 = time.perf_counter()
-  store = store_lib.create(cfg, init_key)
+  store = store_lib.create(cfg, jax.random.key(tc.seed))  # the only key: data is seeded by step
   init_s = time.perf_counter() - t0
   engine = Engine(cfg, store)
-  initial = False  # the initial weights are in the store (dpo's reference needs them)
-  if tc.objective == "dpo":
+  loaded = False
+  if objective.reads_initial_weights:
     if cfg.model.from_hf:
       hf.load_into(store, cfg.model.from_hf)
-    initial = True
-    src, computed = dpo.training_source(cfg, engine, pairs)
-    log.info("dpo: reference log-probs %s %s", "computed into" if computed else "read from",
-             cfg.data.path)
+    loaded = True
+    source, held_out, line = objective.sources(cfg, engine, inputs.data)
   resumed = None
   if tc.checkpoint_dir and tc.resume:
     resumed, _, skipped = checkpoint.restore_latest(store, tc.checkpoint_dir)
-    for line in skipped:
-      log.warning("checkpoint: %s", line)
-  if resumed is None and cfg.model.from_hf and not initial:
+    for line_ in skipped:
+      log.warning("checkpoint: %s", line_)
+  if resumed is None and cfg.model.from_hf and not loaded:
     hf.load_into(store, cfg.model.from_hf)
-  metrics = runlog.RunLog(folder, config_lib.to_dict(cfg), plan_lib.format_plan(plan),
-                          start_step=store.step + 1 if resumed else 0,  # steps are 1-based
-                          trackers=tuple(t for t in tc.trackers
-                                         if tc.tensorboard or t != "tensorboard"))
+  if not objective.reads_initial_weights:
+    source, held_out, line = objective.sources(cfg, engine, inputs.data)
+  if line:
+    log.info("%s", line)
+  return Started(store, engine, source, held_out, resumed, init_s)
+
+
+@dataclasses.dataclass
+class Trained:
+  """What the step loop did."""
+  losses: list = dataclasses.field(default_factory=list)
+  times: list = dataclasses.field(default_factory=list)
+  evals: list = dataclasses.field(default_factory=list)  # (step, held-out loss)
+  skipped: list = dataclasses.field(default_factory=list)  # steps whose update was skipped
+  stop: int | None = None  # the signal that stopped the run
+  saved: Path | None = None  # the newest checkpoint this run wrote
+
+
+def loop(cfg: config_lib.Config, run: Started, metrics: runlog.RunLog, progress: runlog.Progress,
+         signals, folder: Path) -> Trained:
+  """The steps from the store's to train.steps: each one's metrics, progress line, evaluation
+  and checkpoint; a signal stops it after the step (saved), a second one abandons the step."""
+  tc, store, engine, src = cfg.train, run.store, run.engine, run.source
+  device = jax.local_devices()[0]
   accel = device.platform != "cpu"
-
-  def meta():  # kept with every checkpoint: export reads the config, a resume the data position
-    return {"config": config_lib.to_dict(cfg), "data_position": src.position(store.step)}
-
   saves = Saves(tc.checkpoint_dir, tc.keep_checkpoints)
+  out, in_a_row = Trained(), 0
+  work = plan_lib.flops(cfg)  # FLOPs of one step, with and without attention
+  tokens_per_step = tc.batch * tc.seq
 
   def save(final=False):
     engine.sync()
-    return saves(store, meta(), cfg.model.from_hf, final) or saved
+    meta = {"config": config_lib.to_dict(cfg), "data_position": src.position(store.step)}
+    return saves(store, meta, cfg.model.from_hf, final) or out.saved
 
-  def held_out():
-    it = data.validation_batches(cfg.data, tc.batch, tc.seq, cfg.model.vocab_size)
-    return engine.evaluate(b for _, b in zip(range(tc.eval_batches), it))
+  def evaluate(step):
+    values = run.held_out.evaluate(engine)
+    out.evals.append((step, values["held_out_loss"]))
+    progress.note(f"step {step}: " + ", ".join(f"{k.replace('_', ' ')} {v:.4f}"
+                                               for k, v in values.items()))
+    return values
 
-  losses, times, evals, skipped_steps = [], [], [], []
-  in_a_row, stop, saved = 0, None, None
-  bar = tqdm(range(store.step, tc.steps), desc="train", disable=not progress, dynamic_ncols=True)
-  tokens_per_step = tc.batch * tc.seq
-  work = plan_lib.flops(cfg)  # FLOPs of one step, with and without attention
+  if run.held_out is not None and tc.eval_every and store.step == 0:  # before any update
+    metrics.log(0, tokens=0, **evaluate(0))
+  epoch = src.epoch(store.step)
+  for i in range(store.step, tc.steps):
+    if signals.received:  # arrived before this step: during start-up or an evaluation
+      out.stop = signals.received[0]
+      break
+    if src.epoch(i) != epoch:
+      epoch = src.epoch(i)
+      progress.note(f"data: epoch {epoch + 1} begins at step {i + 1}")
+    profiling = tc.profile_step == i + 1
+    if profiling:
+      jax.profiler.start_trace(str(folder / "profile"))
+    stats = engine.step(src.batch(i))
+    if profiling:
+      engine.sync()
+      jax.profiler.stop_trace()
+    out.losses.append(stats.loss)
+    out.times.append(stats.step_s)
+    in_a_row = in_a_row + 1 if stats.skipped else 0
+    if stats.skipped:
+      out.skipped.append(stats.step)
+      log.warning("step %d skipped: loss %s, gradient norm %s (not finite)", stats.step,
+                  stats.loss, stats.grad_norm)
+      if in_a_row >= tc.max_skipped_steps:
+        last = checkpoint.latest(tc.checkpoint_dir) if tc.checkpoint_dir else None
+        raise TooManySkipped(f"{in_a_row} steps in a row (up to step {stats.step}) had a "
+                             f"non-finite loss or gradient; lower optim.lr or set "
+                             f"optim.clip_norm (train.max_skipped_steps={tc.max_skipped_steps}); "
+                             f"last checkpoint: {last or 'none'}")
+    record = dict(loss=stats.loss, lr=stats.lr, grad_norm=stats.grad_norm,
+                  skipped=stats.skipped, tokens=stats.step * tokens_per_step,
+                  tokens_per_s=stats.tokens / stats.step_s,
+                  model_tflops=work["model"] / stats.step_s / 1e12,
+                  tflops_with_attention=work["with_attention"] / stats.step_s / 1e12,
+                  step_s=stats.step_s, forward_s=stats.forward_s,
+                  backward_s=stats.backward_s, finish_s=stats.finish_s,
+                  opt_wait_s=stats.opt_wait_s, device_wait_s=stats.device_wait_s,
+                  host_rss_gib=rss_bytes() / 2**30, epoch=src.epoch(i), **stats.objective)
+    if accel:
+      record["device_peak_gib"] = (device_peak_bytes(device) or 0) / 2**30
+    if run.held_out is not None and (store.step % tc.eval_every == 0 or store.step == tc.steps):
+      record.update(evaluate(store.step))
+    metrics.log(stats.step, **record)
+    progress.update(stats.step, loss=stats.loss, lr=stats.lr, grad_norm=stats.grad_norm,
+                    tokens_per_s=stats.tokens / stats.step_s, step_s=stats.step_s,
+                    held_out=out.evals[-1][1] if out.evals else None)
+    if signals.received:
+      out.stop = signals.received[0]
+      break
+    if tc.checkpoint_dir and tc.checkpoint_every and store.step % tc.checkpoint_every == 0:
+      out.saved = save()
+  if tc.checkpoint_dir and out.losses and (out.saved is None
+                                           or out.saved.name != f"step_{store.step}"):
+    out.saved = save(final=True)
+  engine.sync()
+  return out
+
+
+def _last_checkpoint(cfg: config_lib.Config) -> Path | None:
+  return checkpoint.latest(cfg.train.checkpoint_dir) if cfg.train.checkpoint_dir else None
+
+
+def run(cfg: config_lib.Config, progress: bool | str = True, on_plan=None,
+        json_path: str | None = None) -> dict:
+  """Trains for cfg.train.steps steps and returns a summary of the run.
+
+  The stages: the outputs claimed, the plan (refused before any allocation when it does not
+  fit), every input checked, the state started, the step loop, the final save and export. Bad
+  inputs are refused before anything is trained. SIGINT/SIGTERM finish the current step, save a
+  checkpoint and raise Stopped; a second one raises Abandoned at once.
+
+  Args:
+    progress: "auto" (a bar on a terminal, plain step lines otherwise; True), "lines" or "off"
+      (False).
+    on_plan: called with the plan once the run is planned, before anything is allocated.
+    json_path: where the CLI will write the summary (checked up front).
+  """
+  mode = {True: "auto", False: "off"}.get(progress, progress)
+  with _Signals() as signals:
+    try:
+      check_outputs(cfg, json_path)
+      cfg, plan = plan_run(cfg, on_plan)
+      inputs = check_inputs(cfg)
+      folder = run_folder(cfg)
+      with _LibraryLogs(folder):
+        return _train(cfg, plan, inputs, folder, mode, signals)
+    except Abandoned as e:
+      if e.during is None:  # outside the step loop: start-up, the final save or sync
+        raise Abandoned(e.signum, None, _last_checkpoint(cfg)) from None
+      raise
+
+
+def _train(cfg: config_lib.Config, plan, inputs: Inputs, folder: Path, mode: str, signals
+           ) -> dict:
+  """Starts the state, runs the loop, saves and exports; returns the summary."""
+  tc = cfg.train
+  run_ = start(cfg, inputs)
+  store, engine = run_.store, run_.engine
+  metrics = runlog.RunLog(folder, config_lib.to_dict(cfg), plan_lib.format_plan(plan),
+                          start_step=store.step + 1 if run_.resumed else 0,  # steps are 1-based
+                          trackers=tuple(t for t in tc.trackers
+                                         if tc.tensorboard or t != "tensorboard"))
+  progress = runlog.Progress(tc.steps, store.step, mode=mode, every=tc.log_every)
+  exported = None
   try:
-    if tc.eval_every and store.step == 0 and tc.steps > 0:  # the baseline before any update
-      evals.append((0, held_out()))
-      metrics.log(0, held_out_loss=evals[-1][1], tokens=0)
-    for i in bar:
-      if signals.received:  # arrived before this step: during start-up or an evaluation
-        stop = signal.Signals(signals.received[0]).name
-        break
-      profiling = tc.profile_step == i + 1
-      if profiling:
-        jax.profiler.start_trace(str(folder / "profile"))
-      stats = engine.step(src.batch(i))
-      if profiling:
-        engine.sync()
-        jax.profiler.stop_trace()
-      losses.append(stats.loss)
-      times.append(stats.step_s)
-      in_a_row = in_a_row + 1 if stats.skipped else 0
-      if stats.skipped:
-        skipped_steps.append(stats.step)
-        log.warning("step %d skipped: loss %s, gradient norm %s (not finite)", stats.step,
-                    stats.loss, stats.grad_norm)
-        if in_a_row >= tc.max_skipped_steps:
-          last = checkpoint.latest(tc.checkpoint_dir) if tc.checkpoint_dir else None
-          raise TooManySkipped(f"{in_a_row} steps in a row (up to step {stats.step}) had a "
-                               f"non-finite loss or gradient; lower optim.lr or set "
-                               f"optim.clip_norm (train.max_skipped_steps={tc.max_skipped_steps}); "
-                               f"last checkpoint: {last or 'none'}")
-      record = dict(loss=stats.loss, lr=stats.lr, grad_norm=stats.grad_norm,
-                    skipped=stats.skipped, tokens=stats.step * tokens_per_step,
-                    tokens_per_s=stats.tokens / stats.step_s,
-                    model_tflops=work["model"] / stats.step_s / 1e12,
-                    tflops_with_attention=work["with_attention"] / stats.step_s / 1e12,
-                    step_s=stats.step_s, forward_s=stats.forward_s,
-                    backward_s=stats.backward_s, finish_s=stats.finish_s,
-                    opt_wait_s=stats.opt_wait_s,
-                    device_wait_s=stats.device_wait_s,
-                    host_rss_gib=rss_bytes() / 2**30, **stats.objective)
-      if accel:
-        record["device_peak_gib"] = (device_peak_bytes(device) or 0) / 2**30
-      if tc.eval_every and (store.step % tc.eval_every == 0 or store.step == tc.steps):
-        evals.append((store.step, held_out()))
-        record["held_out_loss"] = evals[-1][1]
-      metrics.log(stats.step, **record)
-      if i % tc.log_every == 0 or i == tc.steps - 1:
-        post = dict(loss=f"{stats.loss:.4f}", tok_s=f"{stats.tokens / stats.step_s:,.0f}",
-                    gnorm=f"{stats.grad_norm:.3f}")
-        if evals:
-          post["held_out"] = f"{evals[-1][1]:.4f}"
-        bar.set_postfix(post)
-      if signals.received:
-        stop = signal.Signals(signals.received[0]).name
-        break
-      if tc.checkpoint_dir and tc.checkpoint_every and store.step % tc.checkpoint_every == 0:
-        saved = save()
-    if tc.checkpoint_dir and losses and (saved is None or saved.name != f"step_{store.step}"):
-      saved = save(final=True)
-    engine.sync()
-    if tc.export_dir and losses and stop is None:
-      export_at_end(store, tc, cfg.model.from_hf, saved)
+    done = loop(cfg, run_, metrics, progress, signals, folder)
+    if tc.export_dir and done.losses and done.stop is None:
+      export_at_end(store, tc, cfg.model.from_hf, done.saved)
+      exported = Path(tc.export_dir)
   except Abandoned as e:
-    last = checkpoint.latest(tc.checkpoint_dir) if tc.checkpoint_dir else None
-    raise Abandoned(f"abandoned by a second {e} during step {store.step + 1}; last checkpoint: "
-                    f"{last or 'none'}") from None
+    raise Abandoned(e.signum, store.step + 1, _last_checkpoint(cfg)) from None
   except HostUpdateError as e:
-    last = checkpoint.latest(tc.checkpoint_dir) if tc.checkpoint_dir else None
     raise HostUpdateError(f"{e}; the state in memory is part-updated and was not saved; last "
-                          f"checkpoint: {last or 'none'}") from None
+                          f"checkpoint: {_last_checkpoint(cfg) or 'none'}") from None
   finally:
-    bar.close()
+    progress.close()
     metrics.close()
     try:
       engine.close()
     except HostUpdateError:
       pass  # already on its way to the caller
-  if stop is not None:
-    raise Stopped(f"stopped by {stop} after step {store.step}; "
-                  + (f"saved {saved}" if saved else "nothing saved (no checkpoint_dir, or no "
-                                                    "step trained)"))
-  if not losses:
+  if done.stop is not None:
+    raise Stopped(done.stop, store.step, done.saved)
+  if not done.losses:
     raise ValueError(f"train.steps: {tc.steps} reached already by the checkpoint at step "
-                     f"{store.step} ({resumed}); raise train.steps to train further")
-  timed = times[1:] or times  # the first step includes compilation
+                     f"{store.step} ({run_.resumed}); raise train.steps to train further (and set "
+                     f"optim.decay_steps: the schedule it had spans {tc.steps} steps)")
+  return summarize(cfg, plan, run_, done, folder, exported)
+
+
+def summarize(cfg: config_lib.Config, plan, run_: Started, done: Trained, folder: Path,
+              exported: Path | None) -> dict:
+  """The run's summary (the CLI prints it and writes it with --json)."""
+  tc, store = cfg.train, run_.store
+  device = jax.local_devices()[0]
+  timed = done.times[1:] or done.times  # the first step includes compilation
   step_s = statistics.median(timed)
   tokens = tc.batch * tc.seq
   n = store.n_params
   allocated = store.allocated_bytes()
   counts = models.spec(cfg.model).counts
+  work = plan_lib.flops(cfg)
   return {
       "family": cfg.model.family,
       "params": n,
       "active_params": counts["active"],
-      "steps": len(losses),
-      "resumed_from": None if resumed is None else str(resumed),
-      "first_loss": losses[0],
-      "final_loss": losses[-1],
-      "skipped_steps": skipped_steps,
-      "held_out": evals,  # (step, loss) of each evaluation
+      "steps": len(done.losses),
+      "resumed_from": None if run_.resumed is None else str(run_.resumed),
+      "first_loss": done.losses[0],
+      "final_loss": done.losses[-1],
+      "skipped_steps": done.skipped,
+      "held_out": done.evals,  # (step, loss) of each evaluation
       "step_s_median": step_s,
       "tokens_per_s": tokens / step_s,
       "model_tflops": work["model"] / step_s / 1e12,
@@ -451,7 +553,7 @@ def _train(cfg: config_lib.Config, plan, src, pairs, folder: Path, progress: boo
       "peak_rss_gib": peak_rss_bytes() / 2**30,
       "peak_rss_bytes_per_param": peak_rss_bytes() / n,
       "device_peak_gib": (lambda b: None if b is None else b / 2**30)(device_peak_bytes(device)),
-      "init_s": init_s,
+      "init_s": run_.init_s,
       "plan_host_gib": plan.host_total / 2**30,
       "plan_device_gib": plan.device_total / 2**30,
       "plan_step_s": plan.roofline_s,
@@ -467,7 +569,8 @@ def _train(cfg: config_lib.Config, plan, src, pairs, folder: Path, progress: boo
       "layers": cfg.model.layers,
       "batch": tc.batch,
       "seq": tc.seq,
-      "checkpoint": None if saved is None else str(saved),
+      "checkpoint": None if done.saved is None else str(done.saved),
+      "export": None if exported is None else str(exported),
       "run_dir": str(folder),
       "device": str(device),
       "jax": jax.__version__,
@@ -528,7 +631,8 @@ def format_summary(s: dict) -> str:
       ("memory", f"peak RSS {s['peak_rss_gib']:.2f} GiB (plan {s['plan_host_gib']:.2f})"
                  + (f", device peak {s['device_peak_gib']:.2f} GiB (plan "
                     f"{s['plan_device_gib']:.2f})" if accel else "")),
-      ("run folder", s["run_dir"] + (f"; checkpoint {s['checkpoint']}" if s["checkpoint"] else "")),
+      ("run folder", s["run_dir"] + (f"; checkpoint {s['checkpoint']}" if s["checkpoint"] else "")
+                     + (f"; export {s['export']}" if s.get("export") else "")),
   ]
   return "\n".join(f"{k:<11}{v}" for k, v in rows)
 
@@ -547,11 +651,20 @@ def internal_error_log(cfg: config_lib.Config, e: BaseException) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-  p = argparse.ArgumentParser(prog="python -m mtjax.train", description=__doc__)
+  p = argparse.ArgumentParser(
+      prog="python -m mtjax.train", description=__doc__,
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+      epilog="Every config key (train.*, data.*, optim.*, engine.*, model.*) with its type, "
+             "default and meaning: the config reference in README.md and docs/config.md "
+             "(python -m mtjax.config_reference prints it).")
   p.add_argument("--json", help="also write the summary as JSON to this path")
-  p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  p.add_argument("--no-progress", action="store_true",
+                 help="plain step lines instead of the progress bar (the default whenever stdout "
+                      "is not a terminal)")
+  p.add_argument("--log-every", type=int, metavar="N",
+                 help="a step line (or bar update) every N steps: train.log_every")
   p.add_argument("--quiet", action="store_true",
-                 help="no progress bar, no summary and only warnings in the log (errors still show)")
+                 help="no progress, no summary and only warnings in the log (errors still show)")
   p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                  help="level of mtjax's log messages on stderr")
   p.add_argument("--show-plan", action="store_true", help="print the plan before training")
@@ -562,48 +675,42 @@ def main(argv: list[str] | None = None) -> int:
                       "and --process-id")
   p.add_argument("--num-processes", type=int, help="several hosts: how many processes in all")
   p.add_argument("--process-id", type=int, help="several hosts: this process's index, from 0")
-  args, cfg = cli.parse_cli(p, argv)
+  args, cfg = cli.parse_cli(p, argv, extra=lambda a: [f"train.log_every={a.log_every}"]
+                            if a.log_every is not None else [])
   dist = (args.coordinator, args.num_processes, args.process_id)
   if any(x is not None for x in dist):
     if any(x is None for x in dist) or not 0 <= args.process_id < args.num_processes:
-      print("error: several hosts need --coordinator, --num-processes and --process-id (0 <= id "
-            "< processes)", file=sys.stderr)
-      return 2
+      return exits.fail("error", "several hosts need --coordinator, --num-processes and "
+                        "--process-id (0 <= id < processes)", exits.BAD_INPUT)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU-only hosts too
     jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
   runlog.setup_logging("WARNING" if args.quiet else args.log_level)
   show = (lambda plan: print(plan_lib.format_plan(plan), flush=True)) if args.show_plan else None
+  mode = "off" if args.quiet else "lines" if args.no_progress else "auto"
   try:
-    summary = run(cfg, progress=not (args.no_progress or args.quiet), on_plan=show,
-                  json_path=args.json)
+    summary = run(cfg, progress=mode, on_plan=show, json_path=args.json)
   except plan_lib.PlanError as e:
-    print(f"refused: {e}", file=sys.stderr)
-    return exits.BAD_INPUT
+    return exits.fail("refused", e, exits.BAD_INPUT)
   except (Stopped, Abandoned) as e:
     print(f"{e}", file=sys.stderr)
-    return exits.INTERRUPTED + (signal.SIGTERM if "SIGTERM" in str(e) else signal.SIGINT)
+    return exits.of_signal(e.signum)
   except TooManySkipped as e:
-    print(f"error: {e}", file=sys.stderr)
-    return exits.DIVERGED
+    return exits.fail("error", e, exits.DIVERGED)
   except HostUpdateError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return exits.FAILED
+    return exits.fail("error", e, exits.FAILED)
   except checkpoint.SaveFailed as e:
-    print(f"error: {e}", file=sys.stderr)
-    return exits.IO_FAILURE
+    return exits.fail("error", e, exits.IO_FAILURE)
   except (ValueError, OSError, KeyError) as e:  # bad input: data, checkpoint, paths, HF files
     if args.debug:
       raise
-    msg = " ".join(str(e).split()) or type(e).__name__
-    print(f"error: {msg}", file=sys.stderr)
-    return exits.of_os_error(e) if isinstance(e, OSError) else exits.BAD_INPUT
+    return exits.fail("error", e, exits.of_os_error(e) if isinstance(e, OSError)
+                      else exits.BAD_INPUT)
   except Exception as e:  # noqa: BLE001 - a bug: one line here, the traceback in the log file
     if args.debug:
       raise
     where = internal_error_log(cfg, e)
-    print(f"internal error: {type(e).__name__}: {' '.join(str(e).split())[:300]} (traceback in "
-          f"{where}; --debug shows it here)", file=sys.stderr)
-    return exits.FAILED
+    return exits.fail("internal error", f"{type(e).__name__}: {exits.one_line(e)[:300]} "
+                      f"(traceback in {where}; --debug shows it here)", exits.FAILED)
   if not args.quiet:
     print(format_summary(summary))
   if args.json:

@@ -21,7 +21,7 @@ LAYERS = [
      "mtjax.models.olmo2", "mtjax.models.mixtral", "mtjax.models.qwen_moe",
      "mtjax.models.gpt_oss", "mtjax.models.deepseek"],
     ["mtjax.models.spec", "mtjax.models"],
-    ["mtjax.hf", "mtjax.optimizer", "mtjax.dpo"],
+    ["mtjax.hf", "mtjax.optimizer", "mtjax.dpo", "mtjax.objectives"],
     ["mtjax.store", "mtjax.api"],
     ["mtjax.checkpoint", "mtjax.engine"],
     ["mtjax.cli", "mtjax.runlog", "mtjax.report"],

@@ -68,7 +68,7 @@ def data_files(work: Path):
            for w in ("hello", "paris", "tower", "numbers", "spaces") * 6]
   pq.write_table(pa.table({"conversations": chats}), work / "chats.parquet")
   with open(work / "prefs.jsonl", "w") as f:
-    for i in range(24):
+    for i in range(200):
       f.write(json.dumps({"prompt": f"What is {i} + {i}?", "chosen": str(2 * i),
                           "rejected": str(2 * i + 1)}) + "\n")
 

@@ -18,7 +18,11 @@ def test_cli_trains_tiny_config(tmp_path):
                       "train.steps=12"], capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr
   assert "tokens/s" in r.stdout and "B/param" in r.stdout
-  assert "loss=" in r.stderr  # the progress bar
+  # stdout is a pipe, not a terminal: plain step lines, no progress bar's carriage returns
+  assert "\r" not in r.stdout + r.stderr
+  lines = [l for l in r.stdout.splitlines() if l.startswith("step ")]
+  assert [l.split()[1] for l in lines] == [f"{i}/12" for i in range(1, 13)]
+  assert all("loss" in l and "tok/s" in l and "ETA" in l for l in lines)
   s = json.loads(out.read_text())
   assert s["steps"] == 12 and s["final_loss"] < s["first_loss"]
   assert s["state_bytes_per_param"] == 12.0 and s["state_device_gib"] == 0.0
@@ -74,3 +78,72 @@ def test_profile_step_records_a_trace_into_the_run_folder(tmp_path):
   train.run(cfg, progress=False)
   traces = [p for p in (tmp_path / "profile").rglob("*") if p.is_file()]
   assert traces and any(p.name.endswith((".xplane.pb", ".trace.json.gz")) for p in traces), traces
+
+
+def cli(*args, timeout=300):
+  r = subprocess.run([sys.executable, "-m", "mtjax.train", "--config", str(TINY), *map(str, args)],
+                     capture_output=True, text=True, timeout=timeout)
+  return r.returncode, r.stdout, r.stderr.strip().splitlines()
+
+
+def test_log_every_and_no_progress_give_plain_lines_every_n_steps_and_the_last():
+  code, out, err = cli("--no-progress", "--log-every", 4, "train.steps=10")
+  assert code == 0, err
+  steps = [l.split()[1] for l in out.splitlines() if l.startswith("step ")]
+  assert steps == ["4/10", "8/10", "10/10"]
+  code, out, _ = cli("--quiet", "train.steps=3")
+  assert code == 0 and not [l for l in out.splitlines() if l.startswith("step ")]
+
+
+def test_a_new_epoch_is_reported(tmp_path):
+  """A token file of 4 rows' worth: with batch 2 the data starts a new pass every 2 steps."""
+  import numpy as np
+  toks = tmp_path / "toks.bin"
+  np.random.default_rng(0).integers(0, 256, 4 * 65 + 1).astype(np.uint16).tofile(toks)
+  code, out, err = cli("--no-progress", "train.steps=5", "train.batch=2", "data.source=tokens",
+                       f"data.path={toks}")
+  assert code == 0, err
+  notes = [l for l in out.splitlines() if l.startswith("data: epoch")]
+  assert notes and notes[0].startswith("data: epoch 2 begins at step"), out
+
+
+def test_help_shows_defaults_and_points_to_the_config_reference():
+  r = subprocess.run([sys.executable, "-m", "mtjax.train", "--help"], capture_output=True,
+                     text=True, timeout=60)
+  assert r.returncode == 0
+  text = " ".join(r.stdout.split())
+  assert "(default: INFO)" in text and "docs/config.md" in text and "--log-every" in text
+
+
+def test_train_seq_beyond_the_models_positions_is_refused_unless_raised(tmp_path):
+  code, _, err = cli("train.steps=1", "model.max_position=32")  # tiny.yaml trains 64 tokens
+  assert code == 2 and len(err) == 1
+  assert "train.seq: 64 tokens exceed" in err[0] and "model.max_position=64" in err[0], err
+  code, _, err = cli("train.steps=1", "model.max_position=64")
+  assert code == 0, err
+
+
+def test_resume_with_other_steps_refuses_to_stretch_the_schedule(tmp_path):
+  ck = tmp_path / "ck"
+  warm = "optim.warmup_steps=1"
+  s = train.run(config.load(TINY, ["train.steps=3", f"train.checkpoint_dir={ck}", warm]),
+                progress=False)
+  assert s["steps"] == 3
+  code, _, err = cli("train.steps=5", f"train.checkpoint_dir={ck}", warm)
+  assert code == 2 and len(err) == 1, err
+  assert "train.steps: 5 differs from the 3" in err[0] and "optim.decay_steps=3" in err[0]
+  # said explicitly, either way: the schedule of 3 steps goes on at its floor
+  s = train.run(config.load(TINY, ["train.steps=5", f"train.checkpoint_dir={ck}", warm,
+                                   "optim.decay_steps=3"]), progress=False)
+  from mtjax import runlog
+  lrs = [r["lr"] for r in runlog.read_metrics(ck)]
+  cfg = config.load(TINY, [])
+  assert s["steps"] == 2 and lrs[3] == pytest.approx(cfg.optim.lr * cfg.optim.min_lr_ratio)
+
+
+def test_summary_and_json_say_where_the_export_went(tmp_path):
+  out, js = tmp_path / "export", tmp_path / "s.json"
+  code, stdout, err = cli("train.steps=2", f"train.export_dir={out}", "--json", js)
+  assert code == 0, err
+  assert json.loads(js.read_text())["export"] == str(out)
+  assert f"export {out}" in stdout
