@@ -521,3 +521,24 @@ def test_prepare_chat_records_and_prints_the_mask_method(tmp_path, method):
   text = data.prepare(tok_dir, tmp_path / "again", [str(f)], fmt="chat", val_fraction=0,
                       progress=False)
   assert text["mask_method"] == method
+
+
+# ---------------------------------------------------------------------------------------------
+# The tokenizer prepared data was made with, against the model's.
+
+def test_tokenizer_fingerprint_is_the_content_not_the_path_or_the_formatting(tmp_path):
+  a = make_tokenizer(tmp_path / "a")
+  b = tmp_path / "b"
+  b.mkdir()
+  content = json.loads((a / "tokenizer.json").read_text())
+  # the same tokenizer saved again: other whitespace, other key order, another folder
+  (b / "tokenizer.json").write_text(json.dumps(dict(reversed(list(content.items()))), indent=4))
+  fp = data.tokenizer_fingerprint(a)
+  assert re.fullmatch(r"[0-9a-f]{64}", fp)
+  assert data.tokenizer_fingerprint(b) == data.tokenizer_fingerprint(a / "tokenizer.json") == fp
+  content["added_tokens"][-1]["content"] = "<|other|>"  # one added token differs
+  (b / "tokenizer.json").write_text(json.dumps(content))
+  assert data.tokenizer_fingerprint(b) != fp
+  assert data.tokenizer_fingerprint(make_tokenizer(tmp_path / "c", vocab=300)) != fp
+  (a / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+  assert data.tokenizer_fingerprint(a) == fp  # the template is not what an id means
