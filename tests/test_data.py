@@ -524,6 +524,40 @@ def test_prepare_chat_records_and_prints_the_mask_method(tmp_path, method):
 
 
 # ---------------------------------------------------------------------------------------------
+# Epochs: which pass over the data a step's batch ends in.
+
+def test_padded_epoch_is_the_pass_the_steps_last_document_belongs_to(tmp_path):
+  """Each padded epoch holds every document once, so a row's epoch is the number of times its
+  document came before it; epoch(step) is that of the step's last row, and never goes back."""
+  docs = doc_tokens(7, np.random.default_rng(2))
+  d = write_prepared(tmp_path, {"train": docs, "val": docs[:1]})
+  src = data.source(prepared_cfg(d, mode="padded"), 3, 24, vocab=500, seed=1)
+  seen, want = {}, []
+  for step in range(12):  # 36 rows: five passes and a bit
+    for row in src.batch(step).inputs:
+      doc = int(row[0] - 1) // 20
+      seen[doc] = seen.get(doc, -1) + 1
+    want.append(seen[doc])
+  assert [src.epoch(s) for s in range(12)] == want
+  assert want[-1] == 5 and want == sorted(want)
+  assert [data.source(prepared_cfg(d, mode="padded"), 3, 24, 500, 1).epoch(s)
+          for s in range(12)] == want  # a pure function of the step
+
+
+def test_token_file_epoch_counts_the_files_worth_of_tokens_trained_on(tmp_path):
+  path = tmp_path / "toks.bin"
+  np.arange(1000, dtype=np.uint16).tofile(path)
+  src = data.source(config.DataConfig(source="tokens", path=str(path)), 3, 8, vocab=1000, seed=0)
+  trained, want = 0, []
+  for _ in range(90):
+    trained += 3 * 8
+    want.append((trained - 1) // 1000)
+  assert [src.epoch(s) for s in range(90)] == want
+  assert want.index(1) == 41 and want.index(2) == 83  # 42 * 24 tokens pass the file's 1000
+  assert data.source(config.DataConfig(), 3, 8, 50, 0).epoch(10**6) == 0  # synthetic: no end
+
+
+# ---------------------------------------------------------------------------------------------
 # The tokenizer prepared data was made with, against the model's.
 
 def test_tokenizer_fingerprint_is_the_content_not_the_path_or_the_formatting(tmp_path):

@@ -55,7 +55,7 @@ class TokenFile:
 
 
 class _TokenWindows:
-  """A TokenFile as a source: batch(step) and position(step)."""
+  """A TokenFile as a source: batch(step), position(step) and epoch(step)."""
 
   def __init__(self, cfg: DataConfig, batch: int, seq: int, vocab: int, seed: int):
     self.file = TokenFile(cfg.path, cfg.dtype, vocab)
@@ -69,6 +69,12 @@ class _TokenWindows:
 
   def position(self, step: int) -> dict:
     return {"source": "tokens", "step": step, "epoch": 0, "index": step}
+
+  def epoch(self, step: int) -> int:
+    """The pass over the file `step` ends in, 0 first. Windows start at random offsets, so a pass
+    is a file's worth of tokens: steps 0..step train on (step + 1) * batch * seq of them."""
+    B, T = self.shape
+    return ((step + 1) * B * T - 1) // self.file.tokens.shape[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,6 +371,12 @@ class PreparedSource:
     rows = [_row(self._pieces(step * B + b), T, self.data.pad_id) for b in range(B)]
     return _stack(rows, self.model_vocab, str(self.data.path))
 
+  def epoch(self, step: int) -> int:
+    """The epoch `step`'s batch ends in, 0 first: epoch e begins at the first step with
+    epoch(step) == e, the one holding its first row (whose earlier rows may end epoch e - 1)."""
+    B = self.shape[0]
+    return (step * B + B - 1) // self.per_epoch
+
   def position(self, step: int) -> dict:
     """Where `step` begins in the data: epoch, row (packed) or document (padded) within it, ..."""
     B, T = self.shape
@@ -407,7 +419,9 @@ def _cut(data: Prepared, order: np.ndarray, ends: np.ndarray, a: int, b: int) ->
 
 
 def source(cfg: DataConfig, batch: int, seq: int, vocab: int, seed: int):
-  """The configured data as an object with batch(step) -> Batch and position(step) -> dict.
+  """The configured data as an object with batch(step) -> Batch, position(step) -> dict (where the
+  step begins, saved with a checkpoint) and epoch(step) -> int (the pass over the data the step
+  ends in, 0 first), each a pure function of the step.
 
   Args:
     cfg: the data section of the config.
