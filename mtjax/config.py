@@ -330,6 +330,7 @@ class DataConfig:
   dtype: Literal["uint16", "uint32"] = "uint16"  # token file element type (prepared: meta.json)
   mode: Literal["packed", "padded"] = "packed"  # prepared: documents packed per row, or one padded per row
   split: Literal["train", "val"] = "train"  # prepared: the split training batches come from
+  allow_other_tokenizer: bool = False  # prepared: train on data tokenized with another tokenizer than model.from_hf's (its ids must still fit the vocabulary)
 
   def __post_init__(self):
     if self.source in ("tokens", "prepared") and not self.path:

@@ -521,3 +521,121 @@ def test_prepare_chat_records_and_prints_the_mask_method(tmp_path, method):
   text = data.prepare(tok_dir, tmp_path / "again", [str(f)], fmt="chat", val_fraction=0,
                       progress=False)
   assert text["mask_method"] == method
+
+
+# ---------------------------------------------------------------------------------------------
+# Epochs: which pass over the data a step's batch ends in.
+
+def test_padded_epoch_is_the_pass_the_steps_last_document_belongs_to(tmp_path):
+  """Each padded epoch holds every document once, so a row's epoch is the number of times its
+  document came before it; epoch(step) is that of the step's last row, and never goes back."""
+  docs = doc_tokens(7, np.random.default_rng(2))
+  d = write_prepared(tmp_path, {"train": docs, "val": docs[:1]})
+  src = data.source(prepared_cfg(d, mode="padded"), 3, 24, vocab=500, seed=1)
+  seen, want = {}, []
+  for step in range(12):  # 36 rows: five passes and a bit
+    for row in src.batch(step).inputs:
+      doc = int(row[0] - 1) // 20
+      seen[doc] = seen.get(doc, -1) + 1
+    want.append(seen[doc])
+  assert [src.epoch(s) for s in range(12)] == want
+  assert want[-1] == 5 and want == sorted(want)
+  assert [data.source(prepared_cfg(d, mode="padded"), 3, 24, 500, 1).epoch(s)
+          for s in range(12)] == want  # a pure function of the step
+
+
+def test_token_file_epoch_counts_the_files_worth_of_tokens_trained_on(tmp_path):
+  path = tmp_path / "toks.bin"
+  np.arange(1000, dtype=np.uint16).tofile(path)
+  src = data.source(config.DataConfig(source="tokens", path=str(path)), 3, 8, vocab=1000, seed=0)
+  trained, want = 0, []
+  for _ in range(90):
+    trained += 3 * 8
+    want.append((trained - 1) // 1000)
+  assert [src.epoch(s) for s in range(90)] == want
+  assert want.index(1) == 41 and want.index(2) == 83  # 42 * 24 tokens pass the file's 1000
+  assert data.source(config.DataConfig(), 3, 8, 50, 0).epoch(10**6) == 0  # synthetic: no end
+
+
+# ---------------------------------------------------------------------------------------------
+# The tokenizer prepared data was made with, against the model's.
+
+def test_tokenizer_fingerprint_is_the_content_not_the_path_or_the_formatting(tmp_path):
+  a = make_tokenizer(tmp_path / "a")
+  b = tmp_path / "b"
+  b.mkdir()
+  content = json.loads((a / "tokenizer.json").read_text())
+  # the same tokenizer saved again: other whitespace, other key order, another folder
+  (b / "tokenizer.json").write_text(json.dumps(dict(reversed(list(content.items()))), indent=4))
+  fp = data.tokenizer_fingerprint(a)
+  assert re.fullmatch(r"[0-9a-f]{64}", fp)
+  assert data.tokenizer_fingerprint(b) == data.tokenizer_fingerprint(a / "tokenizer.json") == fp
+  content["added_tokens"][-1]["content"] = "<|other|>"  # one added token differs
+  (b / "tokenizer.json").write_text(json.dumps(content))
+  assert data.tokenizer_fingerprint(b) != fp
+  assert data.tokenizer_fingerprint(make_tokenizer(tmp_path / "c", vocab=300)) != fp
+  (a / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+  assert data.tokenizer_fingerprint(a) == fp  # the template is not what an id means
+
+
+def test_check_tokenizer_refuses_data_of_another_models_tokenizer(tmp_path):
+  model = make_tokenizer(tmp_path / "model")
+  other = make_tokenizer(tmp_path / "other", vocab=300)
+  corpus = tmp_path / "docs.jsonl"
+  corpus.write_text("".join(json.dumps({"text": f"hello world {i}"}) + "\n" for i in range(8)))
+  prep = tmp_path / "prep"
+  meta = data.prepare(model, prep, [str(corpus)], val_fraction=0, progress=False)
+  vocab = meta["vocab_size"]
+  assert meta["tokenizer_fingerprint"] == data.tokenizer_fingerprint(model)
+
+  copy = tmp_path / "copy"  # the model's folder elsewhere, as an export writes it
+  copy.mkdir()
+  (copy / "tokenizer.json").write_bytes((model / "tokenizer.json").read_bytes())
+  data.check_tokenizer(prep, copy, vocab, allow_other=False)
+  with pytest.raises(ValueError) as e:
+    data.check_tokenizer(prep, other, 512, allow_other=False)
+  line = str(e.value)
+  assert "\n" not in line and str(model / "tokenizer.json") in line and str(other) in line
+  assert meta["tokenizer_fingerprint"][:12] in line
+  assert data.tokenizer_fingerprint(other)[:12] in line
+  assert "data.allow_other_tokenizer=true" in line
+  data.check_tokenizer(prep, other, 512, allow_other=True)  # the override accepts it
+  with pytest.raises(ValueError, match=r"model\.from_hf: .*empty holds no tokenizer\.json .*"
+                                       r"data\.allow_other_tokenizer=true"):
+    data.check_tokenizer(prep, (tmp_path / "empty").mkdir() or tmp_path / "empty", vocab, False)
+
+  data.check_tokenizer(prep, None, vocab, allow_other=False)  # from scratch: the ids fit
+  with pytest.raises(ValueError) as e:
+    data.check_tokenizer(prep, None, vocab - 1, allow_other=False)
+  line = str(e.value)
+  assert f"vocabulary is {vocab}" in line and str(model / "tokenizer.json") in line
+  assert "set model.from_hf to that model" in line and f"model.vocab_size ({vocab - 1})" in line
+
+  # a folder prepared before the fingerprint was recorded: the vocabulary check only
+  old = {k: v for k, v in meta.items() if k != "tokenizer_fingerprint"}
+  (prep / "meta.json").write_text(json.dumps(old))
+  data.check_tokenizer(prep, other, vocab, allow_other=False)
+  with pytest.raises(ValueError, match="set model.from_hf"):
+    data.check_tokenizer(prep, other, vocab - 1, allow_other=False)
+
+
+def test_a_vocabulary_larger_than_the_models_names_model_from_hf(tmp_path):
+  """Prepared data opened by a model built without model.from_hf (a vocabulary too small for the
+  data): the refusal names the tokenizer the data was made with and model.from_hf."""
+  model = make_tokenizer(tmp_path / "model", CHATML_TAGGED)
+  corpus = tmp_path / "docs.jsonl"
+  corpus.write_text("".join(json.dumps({"text": f"hello world {i}"}) + "\n" for i in range(8)))
+  meta = data.prepare(model, tmp_path / "prep", [str(corpus)], val_fraction=0, progress=False)
+  n = meta["vocab_size"]
+  with pytest.raises(ValueError) as e:
+    data.source(prepared_cfg(tmp_path / "prep"), 1, 4, 64, 0)
+  assert re.fullmatch(rf"data\.path: \S*prep was prepared with the tokenizer "
+                      rf"\S*model/tokenizer\.json whose vocabulary is {n}, more than "
+                      rf"model\.vocab_size \(64\): set "
+                      rf"model\.from_hf to that model \(or model\.vocab_size to at least {n}\)",
+                      str(e.value)), str(e.value)
+  pairs = tmp_path / "p.jsonl"
+  pairs.write_text(json.dumps({"prompt": "hi", "chosen": "hello", "rejected": "go"}) + "\n")
+  data.prepare(model, tmp_path / "pairs", [str(pairs)], val_fraction=0, progress=False)
+  with pytest.raises(ValueError, match=r"whose vocabulary is \d+, .*set model\.from_hf"):
+    data.read_pairs(tmp_path / "pairs", vocab=64)

@@ -1,16 +1,18 @@
 """Data: token batches for training and evaluation, and `python -m mtjax.data prepare`.
 
-  batch.py    Batch, the synthetic stream
-  sources.py  a flat token file, prepared documents (packed or padded), held-out batches,
-              preference pairs (read_pairs)
-  readers.py  input files as rows: JSONL, JSON, CSV, Parquet, Arrow, datasets folders, text
-  formats.py  rows as documents: text, alpaca, sharegpt, messages, prompt_completion, preference
-  chat.py     a tokenizer's chat template rendered as transformers renders it, assistant masks
-  tokenize.py tokenizing sources (a mixture of them) into a prepared directory (prepare)
-  __main__.py the prepare command
+  batch.py       Batch, the synthetic stream
+  sources.py     a flat token file, prepared documents (packed or padded), held-out batches,
+                 preference pairs (read_pairs)
+  fingerprint.py the tokenizer prepared data was made with, checked against the model's
+  readers.py     input files as rows: JSONL, JSON, CSV, Parquet, Arrow, datasets folders, text
+  formats.py     rows as documents: text, alpaca, sharegpt, messages, prompt_completion, preference
+  chat.py        a tokenizer's chat template rendered as transformers renders it, assistant masks
+  tokenize.py    tokenizing sources (a mixture of them) into a prepared directory (prepare)
+  __main__.py    the prepare command
 """
 
 from mtjax.data.batch import Batch, Synthetic, synthetic_batch
+from mtjax.data.fingerprint import check_tokenizer, tokenizer_fingerprint
 from mtjax.data.sources import (SPLITS, Pairs, Prepared, PreparedSource, TokenFile, batches,
                                 position, read_pairs, source, validation_batches)
 
@@ -22,5 +24,5 @@ def prepare(*args, **kwargs):
 
 
 __all__ = ["Batch", "Pairs", "Prepared", "PreparedSource", "SPLITS", "Synthetic", "TokenFile",
-           "batches", "position", "prepare", "read_pairs", "source", "synthetic_batch",
-           "validation_batches"]
+           "batches", "check_tokenizer", "position", "prepare", "read_pairs", "source",
+           "synthetic_batch", "tokenizer_fingerprint", "validation_batches"]

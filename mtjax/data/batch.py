@@ -28,7 +28,7 @@ def synthetic_batch(step: int, batch: int, seq: int, vocab: int, seed: int) -> B
 
 
 class Synthetic:
-  """The synthetic stream as a source: batch(step) and position(step)."""
+  """The synthetic stream as a source: batch(step), position(step) and epoch(step)."""
 
   def __init__(self, batch: int, seq: int, vocab: int, seed: int):
     self.shape, self.vocab, self.seed = (batch, seq), vocab, seed
@@ -38,3 +38,7 @@ class Synthetic:
 
   def position(self, step: int) -> dict:
     return {"source": "synthetic", "step": step, "epoch": 0, "index": step}
+
+  def epoch(self, step: int) -> int:
+    """0: the stream never repeats."""
+    return 0

@@ -161,8 +161,34 @@ def document(row: dict, fmt: str, mapping: Mapping, where: str):
   """The document a row holds in format `fmt` (not auto): text, messages or a Pair.
 
   Raises:
-    BadRow: a missing column, an unknown role, an empty assistant turn, ... (its reason groups it).
+    BadRow: a missing column, an unknown role, an empty assistant turn, ... (its reason groups it);
+      a missing column's message names the --format the row looks like, when detect can tell.
   """
+  try:
+    return _document(row, fmt, mapping, where)
+  except BadRow as e:
+    if e.reason != "missing column":
+      raise
+    raise BadRow(e.reason, f"{e}{format_hint(row, fmt, mapping)}") from None
+
+
+# The formats that read a row the same way (the older names), which a hint need not suggest.
+_SAME = {"jsonl": ("text",), "chat": ("messages", "prompt_completion")}
+
+
+def format_hint(row: dict, fmt: str, mapping: Mapping) -> str:
+  """"; it looks like --format X" for a row that `fmt` cannot read, naming the format detect
+  picks for it; a plain pointer to --format when detect cannot tell."""
+  try:
+    guess = detect(row, mapping)
+  except ValueError:
+    return "; or pass the --format the rows are in (docs/data.md lists them)"
+  if guess == fmt or guess in _SAME.get(fmt, ()):
+    return ""
+  return f"; it looks like --format {guess} (or --format auto, which tells each source's)"
+
+
+def _document(row: dict, fmt: str, mapping: Mapping, where: str):
   if fmt in ("text", "jsonl"):
     return _get(row, mapping, "text", where)
   if fmt == "chat":

@@ -55,7 +55,7 @@ class TokenFile:
 
 
 class _TokenWindows:
-  """A TokenFile as a source: batch(step) and position(step)."""
+  """A TokenFile as a source: batch(step), position(step) and epoch(step)."""
 
   def __init__(self, cfg: DataConfig, batch: int, seq: int, vocab: int, seed: int):
     self.file = TokenFile(cfg.path, cfg.dtype, vocab)
@@ -69,6 +69,12 @@ class _TokenWindows:
 
   def position(self, step: int) -> dict:
     return {"source": "tokens", "step": step, "epoch": 0, "index": step}
+
+  def epoch(self, step: int) -> int:
+    """The pass over the file `step` ends in, 0 first. Windows start at random offsets, so a pass
+    is a file's worth of tokens: steps 0..step train on (step + 1) * batch * seq of them."""
+    B, T = self.shape
+    return ((step + 1) * B * T - 1) // self.file.tokens.shape[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,7 +115,8 @@ def _check_files(path: Path, meta: dict, files: dict[str, int]):
       _CHECKED.add(key)
 
 
-def _read_meta(path: Path) -> dict:
+def read_meta(path: Path) -> dict:
+  """The meta.json of a prepared directory; FileNotFoundError / ValueError naming it otherwise."""
   meta_path = path / "meta.json"
   if not path.is_dir():
     raise FileNotFoundError(f"data.path: prepared directory {path} does not exist")
@@ -125,13 +132,23 @@ def _read_meta(path: Path) -> dict:
   return meta
 
 
+def vocab_error(where: str | Path, meta: dict, vocab_size: int) -> str:
+  """The one line refusing data whose vocabulary is larger than model.vocab_size: a model built
+  without model.from_hf, or from another model than the one whose tokenizer made the data."""
+  tok = meta.get("tokenizer")
+  made = f"the tokenizer {tok}" if tok else "a tokenizer"
+  return (f"data.path: {where} was prepared with {made} whose vocabulary is {meta['vocab_size']}, "
+          f"more than model.vocab_size ({vocab_size}): set model.from_hf to that model (or "
+          f"model.vocab_size to at least {meta['vocab_size']})")
+
+
 class Prepared:
   """One split of a prepared directory, checked against meta.json before any batch is built."""
 
   def __init__(self, path: str | Path, split: str, vocab: int):
     path = Path(path)
     meta_path = path / "meta.json"
-    meta = _read_meta(path)
+    meta = read_meta(path)
     if meta.get("pairs"):
       raise ValueError(f"data.path: {path} holds preference pairs (read by train.objective dpo, "
                        "mtjax.data.read_pairs), not documents")
@@ -146,8 +163,7 @@ class Prepared:
       raise ValueError(f"data.path: {meta_path}: dtype {dtype.name} (uint16/uint32) or pad_id "
                        f"{pad_id} (< vocab_size {data_vocab}) is wrong")
     if data_vocab > vocab:
-      raise ValueError(f"data.path: {meta_path} has vocab_size {data_vocab} > model.vocab_size "
-                       f"({vocab})")
+      raise ValueError(vocab_error(path, meta, vocab))
     if n_docs < 1:
       raise ValueError(f"data.path: split {split!r} of {path} holds no documents")
     files = {f"{split}.bin": n_tokens * dtype.itemsize, f"{split}.idx": (n_docs + 1) * 8}
@@ -235,7 +251,7 @@ def read_pairs(path: str | Path, split: str = "train", vocab: int | None = None)
     directory that is not preference data, or files of the wrong size or checksum.
   """
   path = Path(path)
-  meta = _read_meta(path)
+  meta = read_meta(path)
   if not meta.get("pairs"):
     raise ValueError(f"data.path: {path} holds documents, not preference pairs (prepare with "
                      "--format preference)")
@@ -248,8 +264,7 @@ def read_pairs(path: str | Path, split: str = "train", vocab: int | None = None)
     raise ValueError(f"data.path: {path / 'meta.json'} is not a prepared-data meta.json "
                      f"({e!r})") from None
   if vocab is not None and data_vocab > vocab:
-    raise ValueError(f"data.path: {path / 'meta.json'} has vocab_size {data_vocab} > "
-                     f"model.vocab_size ({vocab})")
+    raise ValueError(vocab_error(path, meta, vocab))
   files = {f"{split}.prefix": n * 8}
   for side in ("chosen", "rejected"):
     t = int(sides[side])
@@ -356,6 +371,12 @@ class PreparedSource:
     rows = [_row(self._pieces(step * B + b), T, self.data.pad_id) for b in range(B)]
     return _stack(rows, self.model_vocab, str(self.data.path))
 
+  def epoch(self, step: int) -> int:
+    """The epoch `step`'s batch ends in, 0 first: epoch e begins at the first step with
+    epoch(step) == e, the one holding its first row (whose earlier rows may end epoch e - 1)."""
+    B = self.shape[0]
+    return (step * B + B - 1) // self.per_epoch
+
   def position(self, step: int) -> dict:
     """Where `step` begins in the data: epoch, row (packed) or document (padded) within it, ..."""
     B, T = self.shape
@@ -398,7 +419,9 @@ def _cut(data: Prepared, order: np.ndarray, ends: np.ndarray, a: int, b: int) ->
 
 
 def source(cfg: DataConfig, batch: int, seq: int, vocab: int, seed: int):
-  """The configured data as an object with batch(step) -> Batch and position(step) -> dict.
+  """The configured data as an object with batch(step) -> Batch, position(step) -> dict (where the
+  step begins, saved with a checkpoint) and epoch(step) -> int (the pass over the data the step
+  ends in, 0 first), each a pure function of the step.
 
   Args:
     cfg: the data section of the config.

@@ -6,46 +6,126 @@ chat template) into a prepared directory read by mtjax.data.sources:
                                   (chat: 1 on the tokens the loss counts)
   {split}.chosen.* / .rejected.*  preference data instead: the same three files for each side
   {split}.prefix                  ... and uint64 per pair: the length of the prompt both share
-  meta.json                       dtype, vocab, ids, splits, a crc32c of every file, the stats
+  meta.json                       dtype, vocab, ids, the tokenizer's fingerprint, splits, a crc32c
+                                  of every file, the stats
   stats.json                      per source: rows, documents and tokens per split, skipped rows
                                   by reason with the first one, truncated documents
 
-The directory is written beside --out under a temporary name, checked, and renamed into place:
-a prepare that is killed leaves --out as it was (or, between two renames, absent) and a re-run
-starts over.
+`run` takes a Request through five stages, each a function with a typed result: the tokenizer
+(Vocabulary), the sources (their files, formats and row counts), the plan (held-out rows, a
+mixture's repeats, the disk check), tokenizing into a temporary folder, and finishing it (the
+mixture's shuffle, meta.json, the checks). The temporary folder sits beside --out and is renamed
+into place at the end; whatever stops a prepare before that (an error, Ctrl-C, SIGTERM, SIGKILL)
+leaves --out as it was, and only SIGKILL leaves the temporary folder, which the next run removes.
 """
 
 from __future__ import annotations
 
 import array
 import collections
+import contextlib
 import dataclasses
-import hashlib
 import json
 import math
 import multiprocessing
 import os
+import queue
 import shutil
+import signal
+import threading
 from pathlib import Path
 
 import numpy as np
 
 from mtjax.data import chat, formats, readers
+from mtjax.data.fingerprint import tokenizer_fingerprint
 from mtjax.data.formats import FORMATS, Mapping, Pair
 from mtjax.data.readers import BadFile, BadRow
-from mtjax.data.sources import SPLITS, checksum, read_pairs, Prepared
+from mtjax.data.sources import SPLITS, Prepared, checksum, read_pairs
 
 _CHUNK = 1024  # documents per encode_batch call / per task of the worker pool
 OVERFLOW = ("truncate", "drop")
+_STOPS = {signal.SIGINT, signal.SIGTERM}  # the signals that stop a prepare (the CLI's)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Options:
   """How documents become training examples (prepare's keyword arguments, the CLI's options)."""
   train_on_prompt: bool = False  # the loss counts every token of a conversation, not the answers
   last_turn_only: bool = False  # the loss counts the last assistant turn only
   max_len: int | None = None  # longest document in tokens; longer ones are cut or dropped
   overflow: str = "truncate"  # truncate | drop a document longer than max_len
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """What to prepare, checked when made: a bad value is a ValueError naming its CLI option.
+
+  Weights share out as many training documents as the sources' training rows together; epochs
+  take each source's training rows E times (a fraction draws a seeded subset). They exclude each
+  other; either one makes a mixture, whose training documents are stored in one seeded shuffle.
+  """
+  tokenizer: str | Path  # a folder with tokenizer.json (and tokenizer_config.json), or the file
+  out: Path  # the directory to write (replaced whole, atomically, when it holds an earlier prepare)
+  inputs: tuple[str, ...]  # each a file, a folder of files or a datasets folder: a mixture's source
+  fmt: str = "auto"  # one of formats.FORMATS; auto picks each source's format from its first row
+  text_field: str = "text"  # the column holding the text (text format), as columns={"text": ...}
+  columns: dict = dataclasses.field(default_factory=dict)  # field -> column (formats.FIELDS)
+  roles: dict = dataclasses.field(default_factory=dict)  # role in the data -> the template's role
+  val_fraction: float = 0.01  # share of each source's rows held out, chosen by seed
+  weights: tuple[float, ...] | None = None  # each source's share of the training documents
+  epochs: tuple[float, ...] | None = None  # times each source's training rows are taken
+  options: Options = dataclasses.field(default_factory=Options)  # loss mask and length options
+  workers: int = 1  # processes tokenizing in parallel (encode_batch is multi-threaded already)
+  seed: int = 0  # seeds the held-out choice, the rows a mixture draws and its order
+  eos: str | None = None  # EOS token after each document; None: tokenizer_config.json's
+  strict: bool = False  # a bad row or file is an error instead of being counted and skipped
+  allow_low_disk: bool = False  # start even when --out's free space is below output_estimate
+
+  def __post_init__(self):
+    opts = self.options
+    if self.fmt not in FORMATS:
+      raise ValueError(f"--format: {self.fmt!r} is not one of {', '.join(FORMATS)}")
+    if not 0 <= self.val_fraction < 1:
+      raise ValueError(f"--val-fraction: {self.val_fraction} must be in [0, 1)")
+    if self.workers < 1:
+      raise ValueError(f"--workers: {self.workers} must be >= 1")
+    if opts.max_len is not None and opts.max_len < 2:
+      raise ValueError(f"--max-len: {opts.max_len} must be >= 2")
+    if opts.overflow not in OVERFLOW:
+      raise ValueError(f"--overflow: {opts.overflow!r} is not one of {', '.join(OVERFLOW)}")
+    if self.weights is not None and self.epochs is not None:
+      raise ValueError("--weights and --epochs: pass one of them")
+    unknown = sorted(set(self.columns) - set(formats.FIELDS))
+    if unknown:
+      raise ValueError(f"--columns: unknown field {unknown[0]!r} (fields: "
+                       f"{', '.join(formats.FIELDS)})")
+    columns = dict(self.columns)
+    if self.text_field != "text":
+      columns.setdefault("text", self.text_field)
+    inputs = tuple(str(i) for i in self.inputs)
+    # Normal forms, set once here (a frozen dataclass): every stage reads the same values.
+    for name, value in (("out", Path(self.out)), ("inputs", inputs), ("columns", columns),
+                        ("roles", dict(self.roles)),
+                        ("weights", _numbers(self.weights, "--weights", len(inputs))),
+                        ("epochs", _numbers(self.epochs, "--epochs", len(inputs)))):
+      object.__setattr__(self, name, value)
+
+  @property
+  def mapping(self) -> Mapping:
+    return Mapping(self.columns, self.roles)
+
+
+def _numbers(values, option: str, n_inputs: int) -> tuple[float, ...] | None:
+  if values is None:
+    return None
+  values = tuple(float(v) for v in values)
+  if len(values) != n_inputs:
+    raise ValueError(f"{option}: {len(values)} values for {n_inputs} inputs")
+  bad = [v for v in values if not (math.isfinite(v) and v > 0)]
+  if bad:
+    raise ValueError(f"{option}: {bad[0]:g} is not a positive number")
+  return values
 
 
 class Stats:
@@ -81,6 +161,22 @@ def _init_worker(tokenizer_path: str, eos_id: int, with_template: bool, last_tur
   template = chat.ChatTemplate.from_tokenizer(tokenizer_path) if with_template else None
   _WORKER.update(tok=Tokenizer.from_file(tokenizer_path), eos=eos_id, template=template,
                  last=last_turn_only)
+
+
+@contextlib.contextmanager
+def _sigint_ignored():
+  """SIGINT ignored while the workers start (a few milliseconds), which inherit that through exec:
+  a Ctrl-C during their start-up does not reach them either, where it would print a traceback.
+  One in those milliseconds is lost (press it again). In the main thread only, where signal
+  dispositions are set."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, previous)
 
 
 def _end_with_eos(tok, eos: int, ids: np.ndarray, mask: np.ndarray):
@@ -134,24 +230,87 @@ def _encode_chunk(chunk: list[tuple[str, object]]) -> list[tuple]:
   return out
 
 
-def _encoded(chunks, workers: int, init_args: tuple):
-  """Yields (chunk, _encode_chunk(chunk)) in order, on a pool of `workers` processes when > 1."""
+@contextlib.contextmanager
+def _encoder(workers: int, init_args: tuple):
+  """A function from chunks of rows to (chunk, _encode_chunk(chunk)) in order: in this process, or
+  on `workers` processes that end with the block, however it ends."""
   if workers <= 1:
     _init_worker(*init_args)
-    for c in chunks:
-      yield c, _encode_chunk([(w, d) for w, d, *_ in c])
+    yield lambda chunks: ((c, _encode_chunk([(w, d) for w, d, *_ in c])) for c in chunks)
     return
-  # spawn, not fork: the tokenizers library's Rust thread pool does not survive a fork.
-  with multiprocessing.get_context("spawn").Pool(workers, _init_worker, init_args) as pool:
-    pending = collections.deque()
-    for c in chunks:  # rows are read and converted here, so a bad row is counted in this process
-      pending.append((c, pool.apply_async(_encode_chunk, ([(w, d) for w, d, *_ in c],))))
-      if len(pending) >= 2 * workers:
-        c, r = pending.popleft()
-        yield c, r.get()
-    while pending:
-      c, r = pending.popleft()
-      yield c, r.get()
+  # spawn, not fork: the tokenizers library's Rust thread pool does not survive a fork. Each
+  # worker has pipes of its own, no lock shared with another (as multiprocessing's pools share
+  # one): ending a worker in the middle of a write, which a stop does, harms no other, and a pipe
+  # that ends mid-message is an EOFError here, not a wait forever.
+  ctx = multiprocessing.get_context("spawn")
+  procs, links = [], []
+  try:
+    with _sigint_ignored():
+      for _ in range(workers):
+        tasks_r, tasks_w = ctx.Pipe(duplex=False)
+        results_r, results_w = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_work, args=(tasks_r, results_w, init_args), daemon=True)
+        proc.start()
+        tasks_r.close()  # the worker's ends: a worker sees EOF when this process is gone
+        results_w.close()
+        procs.append(proc)
+        links.append((tasks_w, results_r))
+    yield lambda chunks: _spread(links, chunks)
+  finally:
+    for proc in procs:
+      proc.terminate()
+    for proc in procs:
+      proc.join()
+    for tasks_w, results_r in links:
+      tasks_w.close()
+      results_r.close()
+
+
+def _work(tasks, results, init_args: tuple):
+  """A tokenizing process: encodes the chunks that arrive on `tasks`, sends each result back."""
+  # Ctrl-C reaches the whole process group; the parent answers it by ending the workers.
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  _init_worker(*init_args)
+  inbox = queue.SimpleQueue()
+
+  def read():  # takes each chunk as it comes: the parent's send never waits on a result's send
+    try:
+      while True:
+        inbox.put(tasks.recv())
+    except (EOFError, OSError):  # the parent is gone
+      inbox.put(None)
+
+  threading.Thread(target=read, daemon=True).start()
+  while (chunk := inbox.get()) is not None:
+    try:
+      out = _encode_chunk(chunk)
+    except Exception as e:  # noqa: BLE001 - raised again in the parent
+      out = e
+    results.send(out)
+
+
+def _spread(links: list, chunks):
+  """Chunk k to worker k mod n, at most two chunks a worker ahead of the results, which come
+  back in order."""
+  pending = collections.deque()
+  for k, c in enumerate(chunks):  # rows are read and converted here: bad rows counted here
+    tasks_w, results_r = links[k % len(links)]
+    tasks_w.send([(w, d) for w, d, *_ in c])
+    pending.append((c, results_r))
+    if len(pending) >= 2 * len(links):
+      yield _received(*pending.popleft())
+  while pending:
+    yield _received(*pending.popleft())
+
+
+def _received(chunk: list, results_r) -> tuple:
+  try:
+    out = results_r.recv()
+  except EOFError:
+    raise RuntimeError("a tokenizing worker process ended before sending its result") from None
+  if isinstance(out, BaseException):
+    raise out
+  return chunk, out
 
 
 def _chunks(items, size: int):
@@ -245,16 +404,57 @@ def _shuffled(directory: Path, raw: _Split, name: str, order: np.ndarray, pairs:
     (directory / f"{name}.prefix").write_bytes(prefix.tobytes())
 
 
-# ---- planning: rows, held-out rows, mixture repeats --------------------------------------------
+# ---- stage 1: the tokenizer -------------------------------------------------------------------
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
+class Vocabulary:
+  """The tokenizer prepare encodes with: its file, size and the ids it adds to documents."""
+  file: Path  # tokenizer.json
+  size: int  # ids, the added tokens included
+  eos_id: int  # appended to each document
+  pad_id: int  # the pad token's id, else eos_id
+  fingerprint: str  # tokenizer_fingerprint(file), which train compares with the model's
+
+  @property
+  def dtype(self) -> np.dtype:
+    return np.dtype(np.uint16 if self.size <= 65536 else np.uint32)
+
+
+def load_vocabulary(req: Request) -> Vocabulary:
+  """The tokenizer of --tokenizer, its EOS and pad ids; a chat format's template is checked too,
+  before any input is read."""
+  from tokenizers import Tokenizer  # noqa: PLC0415 - the Rust library, loaded when used
+
+  tok_file, _ = chat.tokenizer_files(req.tokenizer)
+  tok_cfg = chat.load_tokenizer_config(req.tokenizer)
+  try:
+    tok = Tokenizer.from_file(str(tok_file))
+  except Exception as e:  # noqa: BLE001 - the Rust side raises a plain Exception on a bad file
+    raise ValueError(f"--tokenizer: {tok_file} is not a tokenizers JSON file ({e})") from None
+  eos = req.eos or chat.token_text(tok_cfg.get("eos_token"))
+  if eos is None:
+    raise ValueError(f"--eos: {tok_file.parent} has no tokenizer_config.json eos_token; pass --eos")
+  eos_id = tok.token_to_id(eos)
+  if eos_id is None:
+    raise ValueError(f"--eos: {eos!r} is not a token of {tok_file}")
+  pad = chat.token_text(tok_cfg.get("pad_token"))
+  pad_id = tok.token_to_id(pad) if pad is not None else None
+  if req.fmt not in ("text", "jsonl", "auto"):  # no template, or a broken one: an error now
+    chat.ChatTemplate.from_tokenizer(tok_file)
+  return Vocabulary(tok_file, tok.get_vocab_size(with_added_tokens=True), eos_id,
+                    eos_id if pad_id is None else pad_id, tokenizer_fingerprint(tok_file))
+
+
+# ---- stage 2: the sources: files, formats, rows -----------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
 class _Source:
-  name: str
-  files: list  # [(path, rows)]
-  fmt: str
-  stats: Stats
-  is_val: np.ndarray | None = None
-  repeats: np.ndarray | None = None
+  name: str  # the input as given
+  files: tuple  # (path, rows) of each readable file
+  fmt: str  # the format its rows are read in (auto resolved)
+  stats: Stats  # counted into while the source is read
+  is_val: np.ndarray | None = None  # [rows] bool, the held-out rows (the plan's)
+  repeats: np.ndarray | None = None  # [rows] int64 times each training row is taken (the plan's)
 
   @property
   def rows(self) -> int:
@@ -277,36 +477,112 @@ def _first_row(files: list[Path]) -> dict | None:
   return None
 
 
-def _plan(sources: list[_Source], val_fraction: float, seed: int, weights, epochs):
-  """Chooses each source's held-out rows (an exact share, by seed) and the number of times each
-  training row is taken: once, or as the weights or epochs of a mixture say."""
+def _format_of(name: str, paths: list[Path], req: Request, log) -> str:
+  """The format a source's rows are read in: --format, or under auto the first row's."""
+  if req.fmt != "auto":
+    return req.fmt
+  if all(readers.kind(f) == "text" for f in paths):
+    fmt = "text"
+  else:
+    row = _first_row(paths)
+    if row is None:
+      raise ValueError(f"--format auto: {name} holds no readable row to tell its format by")
+    fmt = formats.detect(row, req.mapping)
+  log(f"{name}: format {fmt} (auto)")
+  return fmt
+
+
+def resolve_sources(req: Request, log) -> list[_Source]:
+  """Every input's files, format and row count (Parquet and Arrow from their metadata): the
+  held-out share is exact, and a mixture's draws are fixed before anything is tokenized."""
+  sources = []
+  for name in req.inputs:
+    stats = Stats(name)
+    paths = readers.input_files(name)
+    fmt = _format_of(name, paths, req, log)
+    files = []
+    for f in paths:
+      try:
+        files.append((f, readers.count(f, whole=_whole_text(f, fmt))))
+      except BadFile as e:
+        stats.skip("unreadable file", str(e), req.strict)
+    stats.format, stats.rows = fmt, sum(n for _, n in files)
+    sources.append(_Source(name, tuple(files), fmt, stats))
+  if sum(s.rows for s in sources) == 0:
+    skipped = any(s.stats.skipped for s in sources)
+    raise ValueError(f"{list(req.inputs)}: no documents"
+                     + (f" ({_skip_summary(sources)})" if skipped else ""))
+  return sources
+
+
+# ---- stage 3: the plan: held-out rows, a mixture's repeats, the disk ---------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What will be written: each source's held-out rows and repeats, and the kind of files."""
+  sources: tuple[_Source, ...]  # with is_val and repeats
+  pairs: bool  # preference pairs: chosen and rejected files per split
+  has_mask: bool  # a loss mask per token (the chat formats)
+  mask_method: str | None  # how the template's assistant tokens are found (chat.ChatTemplate)
+  mixture: bool  # several sources, weights or epochs: the training documents are shuffled once
+
+  @property
+  def rows(self) -> int:
+    return sum(s.rows for s in self.sources)
+
+
+def _held_out(sources: list[_Source], req: Request) -> list[_Source]:
+  """Each source with its held-out rows (an exact share, by seed) and the times each training row
+  is taken: once, or as the weights or epochs of a mixture say."""
+  is_val = []
   for i, s in enumerate(sources):
     n = s.rows
-    if val_fraction > 0 and n < 2:
+    if req.val_fraction > 0 and n < 2:
       raise ValueError(f"--val-fraction: {s.name} holds {n} document, which cannot be split; pass "
                        "--val-fraction 0")
-    n_val = 0 if val_fraction == 0 else min(n - 1, max(1, round(val_fraction * n)))
-    s.is_val = np.zeros(n, bool)
-    s.is_val[np.random.default_rng([seed, i]).choice(n, n_val, replace=False)] = True
-  n_train = [int((~s.is_val).sum()) for s in sources]
-  if weights is not None:
-    total = sum(n_train)
-    targets = [round(w / sum(weights) * total) for w in weights]
-  elif epochs is not None:
-    targets = [round(e * n) for e, n in zip(epochs, n_train)]
+    n_val = 0 if req.val_fraction == 0 else min(n - 1, max(1, round(req.val_fraction * n)))
+    v = np.zeros(n, bool)
+    v[np.random.default_rng([req.seed, i]).choice(n, n_val, replace=False)] = True
+    is_val.append(v)
+  n_train = [int((~v).sum()) for v in is_val]
+  if req.weights is not None:
+    targets = [round(w / sum(req.weights) * sum(n_train)) for w in req.weights]
+  elif req.epochs is not None:
+    targets = [round(e * n) for e, n in zip(req.epochs, n_train)]
   else:
     targets = n_train
-  for i, (s, n, t) in enumerate(zip(sources, n_train, targets)):
-    train = np.flatnonzero(~s.is_val)
-    s.repeats = np.zeros(s.rows, np.int64)
-    if n == 0:
-      continue
-    whole, extra = divmod(t, n)
-    s.repeats[train] = whole
-    s.repeats[np.random.default_rng([seed, i, 1]).choice(train, extra, replace=False)] += 1
+  planned = []
+  for i, (s, v, n, t) in enumerate(zip(sources, is_val, n_train, targets)):
+    train = np.flatnonzero(~v)
+    repeats = np.zeros(s.rows, np.int64)
+    if n:
+      whole, extra = divmod(t, n)
+      repeats[train] = whole
+      repeats[np.random.default_rng([req.seed, i, 1]).choice(train, extra, replace=False)] += 1
+    planned.append(dataclasses.replace(s, is_val=v, repeats=repeats))
+  return planned
 
 
-def _rows(sources: list[_Source], mapping: Mapping, strict: bool):
+def plan_splits(req: Request, vocab: Vocabulary, sources: list[_Source]) -> Plan:
+  """The plan of what `sources` become; refuses a mix of pairs and documents, and (unless
+  allow_low_disk) an --out whose disk has less free space than the output may take."""
+  pairs = {s.fmt == "preference" for s in sources}
+  if len(pairs) > 1:
+    raise ValueError("--format: preference sources cannot be mixed with others in one prepare")
+  pairs = pairs.pop()
+  if pairs and req.options.train_on_prompt:
+    raise ValueError("--train-on-prompt: preference pairs count their answers only")
+  has_mask = any(s.fmt not in ("text", "jsonl") for s in sources)
+  # no template, or a broken one, is an error here, not in a worker
+  mask_method = chat.ChatTemplate.from_tokenizer(vocab.file).mask_method if has_mask else None
+  plan = Plan(tuple(_held_out(sources, req)), pairs, has_mask, mask_method,
+              len(sources) > 1 or req.weights is not None or req.epochs is not None)
+  if not req.allow_low_disk:
+    check_disk(req.out, output_estimate(list(plan.sources), vocab.dtype, has_mask, pairs))
+  return plan
+
+
+def _rows(sources, mapping: Mapping, strict: bool):
   """Yields (where, document, split, repeats, source) for every used row of every source; bad rows
   and unreadable files are counted in the stats (or raised with `strict`)."""
   for i, s in enumerate(sources):
@@ -337,22 +613,6 @@ def _rows(sources: list[_Source], mapping: Mapping, strict: bool):
       except BadFile as e:  # past the rows already read: the rest of the file is skipped
         s.stats.skip("unreadable file", str(e), strict, n=max(0, base + n - j))
       base += n
-
-
-# ---- the command -----------------------------------------------------------------------------
-
-def _check_out(out: Path) -> None:
-  """Refuses an --out that is a file, lies under one, or is a folder of other files."""
-  if out.exists() and not out.is_dir():
-    raise ValueError(f"--out: {out} is a file, not a directory")
-  if out.is_dir() and any(out.iterdir()) and not (out / "meta.json").is_file():
-    raise ValueError(f"--out: {out} holds files but no meta.json: not a prepared directory to "
-                     "replace; pass an empty or new folder")
-  for parent in out.parents:
-    if parent.exists():
-      if not parent.is_dir():
-        raise ValueError(f"--out: {out} lies under {parent}, a file, not a directory")
-      return
 
 
 # Tokens per input byte: a byte-level BPE makes at most one token per byte of text, and a row's
@@ -404,17 +664,8 @@ def check_disk(out: Path, needed: int) -> None:
                      f"or pass --allow-low-disk to accept the risk")
 
 
-def _numbers(values, option: str, n_inputs: int) -> list[float] | None:
-  if values is None:
-    return None
-  values = [float(v) for v in values]
-  if len(values) != n_inputs:
-    raise ValueError(f"{option}: {len(values)} values for {n_inputs} inputs")
-  bad = [v for v in values if not (math.isfinite(v) and v > 0)]
-  if bad:
-    raise ValueError(f"{option}: {bad[0]:g} is not a positive number")
-  return values
 
+# ---- stage 4: tokenizing into the temporary folder ---------------------------------------------
 
 def _fit(ids: np.ndarray, mask, opts: Options, stats: Stats, where: str, strict: bool):
   """ids and mask cut to opts.max_len (or None when dropped: counted as skipped)."""
@@ -427,221 +678,107 @@ def _fit(ids: np.ndarray, mask, opts: Options, stats: Stats, where: str, strict:
   return ids[:opts.max_len], (None if mask is None else mask[:opts.max_len])
 
 
-def prepare(tokenizer: str | Path, out: str | Path, inputs: list[str], fmt: str = "text",
-            text_field: str = "text", val_fraction: float = 0.01, workers: int = 1, seed: int = 0,
-            eos: str | None = None, progress: bool = True, *, columns: dict | None = None,
-            roles: dict | None = None, weights: list[float] | None = None,
-            epochs: list[float] | None = None, options: Options | None = None,
-            strict: bool = False, log=None, allow_low_disk: bool = False) -> dict:
-  """Tokenizes documents into a prepared directory (see the module docstring for its files).
+def _examples(result: tuple, where: str, req: Request, plan: Plan, stats: Stats) -> list | None:
+  """A worker's result as the (ids, mask) of each side to write, or None when it is skipped."""
+  if result[0] == "bad":
+    stats.skip(result[1], result[2], req.strict)
+    return None
+  opts = req.options
+  sides = [result[1:3]] if result[0] == "doc" else [result[1:3], result[3:5]]
+  if opts.train_on_prompt and plan.has_mask:
+    sides = [(ids, np.ones(len(ids), np.uint8)) for ids, _ in sides]
+  fitted = [_fit(ids, m, opts, stats, where, req.strict) for ids, m in sides]
+  if any(f is None for f in fitted):
+    return None
+  if any(len(f[0]) < len(s[0]) for f, s in zip(fitted, sides)):
+    stats.truncated += 1
+  if plan.has_mask and not all(m is None or m[1:].any() for _, m in fitted):
+    stats.skip("no target within --max-len", f"{where}: no token the loss counts within "
+               f"--max-len {opts.max_len}", req.strict)
+    return None
+  return fitted
 
-  Args:
-    tokenizer: a directory holding tokenizer.json (and tokenizer_config.json), or tokenizer.json.
-    out: the directory to write (replaced whole, atomically, when it holds an earlier prepare).
-    inputs: sources, each a file, a folder of files (recursive, sorted) or a datasets folder; each
-      is one source of a mixture.
-    fmt: one of formats.FORMATS; auto picks each source's format from its first row.
-    text_field: the column holding the text (the text format), as --columns text=COLUMN.
-    val_fraction: share of each source's rows held out, chosen by `seed`.
-    workers: processes tokenizing in parallel (encode_batch is multi-threaded already).
-    seed: seeds the held-out choice, the rows a mixture draws and its order.
-    eos: EOS token appended to each document; None: tokenizer_config.json's eos_token.
-    progress: show a tqdm bar.
-    columns: field -> column renames (formats.FIELDS).
-    roles: role in the data -> role of the chat template (user, assistant, system, tool).
-    weights: each source's share of the training documents (the mixture has as many as the
-      sources' training rows together); exclusive with epochs.
-    epochs: times each source's training rows are taken (fractions draw a seeded subset).
-    options: train_on_prompt, last_turn_only, max_len and overflow.
-    strict: a bad row or file is an error instead of being counted and skipped.
-    log: called with each line of news (the auto-detected formats); None: quiet.
-    allow_low_disk: start even when the free space of --out's file system is below the estimate
-      of the output (`output_estimate`).
 
-  Returns:
-    The meta.json contents; "stats" holds the per-source counts of stats.json.
+def tokenize_into(tmp: Path, req: Request, vocab: Vocabulary, plan: Plan, progress: bool
+                  ) -> dict[str, _Split]:
+  """Tokenizes every used row into `tmp` in the sources' order (a mixture's training split as
+  train.raw.*, with each document's repeats) and counts it into the sources' stats."""
+  from tqdm import tqdm  # noqa: PLC0415
 
-  Raises:
-    ValueError: a bad argument or input, or --out cannot be written (one line naming it).
-  """
-  from tokenizers import Tokenizer
-  from tqdm import tqdm
-
-  opts = options or Options()
-  log = log or (lambda line: None)
-  if fmt not in FORMATS:
-    raise ValueError(f"--format: {fmt!r} is not one of {', '.join(FORMATS)}")
-  if not 0 <= val_fraction < 1:
-    raise ValueError(f"--val-fraction: {val_fraction} must be in [0, 1)")
-  if workers < 1:
-    raise ValueError(f"--workers: {workers} must be >= 1")
-  if opts.max_len is not None and opts.max_len < 2:
-    raise ValueError(f"--max-len: {opts.max_len} must be >= 2")
-  if opts.overflow not in OVERFLOW:
-    raise ValueError(f"--overflow: {opts.overflow!r} is not one of {', '.join(OVERFLOW)}")
-  if weights is not None and epochs is not None:
-    raise ValueError("--weights and --epochs: pass one of them")
-  weights = _numbers(weights, "--weights", len(inputs))
-  epochs = _numbers(epochs, "--epochs", len(inputs))
-  columns = dict(columns or {})
-  unknown = sorted(set(columns) - set(formats.FIELDS))
-  if unknown:
-    raise ValueError(f"--columns: unknown field {unknown[0]!r} (fields: "
-                     f"{', '.join(formats.FIELDS)})")
-  if text_field != "text":
-    columns.setdefault("text", text_field)
-  mapping = Mapping(columns, dict(roles or {}))
-  out = Path(out)
-  _check_out(out)
-  tok_file, _ = chat.tokenizer_files(tokenizer)
-  tok_cfg = chat.load_tokenizer_config(tokenizer)
+  splits = {s: _Split(tmp, f"{s}.raw" if s == "train" and plan.mixture else s, vocab.dtype,
+                      plan.has_mask, plan.pairs) for s in SPLITS}
+  init = (str(vocab.file), vocab.eos_id, plan.has_mask, req.options.last_turn_only)
+  rows = _chunks(_rows(plan.sources, req.mapping, req.strict), _CHUNK)
   try:
-    tok = Tokenizer.from_file(str(tok_file))
-  except Exception as e:  # the Rust side raises a plain Exception on a malformed file
-    raise ValueError(f"--tokenizer: {tok_file} is not a tokenizers JSON file ({e})") from None
-  eos = eos or chat.token_text(tok_cfg.get("eos_token"))
-  if eos is None:
-    raise ValueError(f"--eos: {tok_file.parent} has no tokenizer_config.json eos_token; pass --eos")
-  eos_id = tok.token_to_id(eos)
-  if eos_id is None:
-    raise ValueError(f"--eos: {eos!r} is not a token of {tok_file}")
-  pad = chat.token_text(tok_cfg.get("pad_token"))
-  pad_id = tok.token_to_id(pad) if pad is not None and tok.token_to_id(pad) is not None else eos_id
-  vocab = tok.get_vocab_size(with_added_tokens=True)
-  dtype = np.dtype(np.uint16 if vocab <= 65536 else np.uint32)
-
-  if fmt not in ("text", "jsonl", "auto"):  # no template, or a broken one: an error before reading
-    chat.ChatTemplate.from_tokenizer(tok_file)
-
-  # Every source's rows are counted first (Parquet and Arrow from their metadata): the held-out
-  # share is exact, and the mixture's draws are fixed before anything is tokenized.
-  sources = []
-  for name in inputs:
-    stats = Stats(name)
-    paths = readers.input_files(name)
-    src_fmt = fmt
-    if fmt == "auto":
-      if all(readers.kind(f) == "text" for f in paths):
-        src_fmt = "text"
-      else:
-        row = _first_row(paths)
-        if row is None:
-          raise ValueError(f"--format auto: {name} holds no readable row to tell its format by")
-        src_fmt = formats.detect(row, mapping)
-      log(f"{name}: format {src_fmt} (auto)")
-    files = []
-    for f in paths:
-      try:
-        files.append((f, readers.count(f, whole=_whole_text(f, src_fmt))))
-      except BadFile as e:
-        stats.skip("unreadable file", str(e), strict)
-    stats.format = src_fmt
-    stats.rows = sum(n for _, n in files)
-    sources.append(_Source(name, files, src_fmt, stats))
-  n_rows = sum(s.rows for s in sources)
-  if n_rows == 0:
-    skipped = any(s.stats.skipped for s in sources)
-    raise ValueError(f"{inputs}: no documents"
-                     + (f" ({_skip_summary(sources)})" if skipped else ""))
-  pairs = {s.fmt == "preference" for s in sources}
-  if len(pairs) > 1:
-    raise ValueError("--format: preference sources cannot be mixed with others in one prepare")
-  pairs = pairs.pop()
-  if pairs and opts.train_on_prompt:
-    raise ValueError("--train-on-prompt: preference pairs count their answers only")
-  has_mask = any(s.fmt not in ("text", "jsonl") for s in sources)
-  mask_method = None
-  if has_mask:  # no template, or a broken one, is an error now, not in a worker
-    mask_method = chat.ChatTemplate.from_tokenizer(tok_file).mask_method
-  _plan(sources, val_fraction, seed, weights, epochs)
-  mixture = len(sources) > 1 or weights is not None or epochs is not None
-  if not allow_low_disk:
-    check_disk(out, output_estimate(sources, dtype, has_mask, pairs))
-
-  meta = {
-      "format": fmt if fmt != "auto" else sorted({s.fmt for s in sources})[0]
-      if len(sources) == 1 else "mixture",
-      "formats": [s.fmt for s in sources], "pairs": pairs,
-      "dtype": dtype.name, "vocab_size": vocab, "eos_id": eos_id, "pad_id": pad_id,
-      "has_mask": has_mask, "seed": seed, "val_fraction": val_fraction,
-      "tokenizer": str(tok_file),
-      "tokenizer_sha256": hashlib.sha256(tok_file.read_bytes()).hexdigest(),
-      "inputs": list(inputs), "columns": mapping.columns, "roles": mapping.roles,
-      "weights": weights, "epochs": epochs, "shuffled": mixture, **dataclasses.asdict(opts),
-  }
-  if mask_method:
-    meta["mask_method"] = mask_method
-
-  tmp = out.parent / f".{out.name}.prepare-tmp"
-  old = out.parent / f".{out.name}.prepare-old"
-  try:
-    shutil.rmtree(tmp, ignore_errors=True)  # what a killed run left: a re-run starts over
-    shutil.rmtree(old, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    splits = {s: _Split(tmp, f"{s}.raw" if s == "train" and mixture else s, dtype, has_mask, pairs)
-              for s in SPLITS}
-    bar = tqdm(total=n_rows, unit="doc", disable=not progress, desc="tokenizing")
-    init = (str(tok_file), eos_id, has_mask, opts.last_turn_only)
-    try:
-      chunks = _chunks(_rows(sources, mapping, strict), _CHUNK)
-      for chunk, encoded in _encoded(chunks, workers, init):
+    with (_encoder(req.workers, init) as encode,
+          tqdm(total=plan.rows, unit="doc", disable=not progress, desc="tokenizing") as bar):
+      for chunk, encoded in encode(rows):
         for (where, _, split, repeats, i), result in zip(chunk, encoded):
-          stats = sources[i].stats
-          if result[0] == "bad":
-            stats.skip(result[1], result[2], strict)
+          stats = plan.sources[i].stats
+          fitted = _examples(result, where, req, plan, stats)
+          if fitted is None:
             continue
-          sides = [result[1:3]] if result[0] == "doc" else [result[1:3], result[3:5]]
-          if opts.train_on_prompt and has_mask:
-            sides = [(ids, np.ones(len(ids), np.uint8)) for ids, _ in sides]
-          fitted = [_fit(ids, m, opts, stats, where, strict) for ids, m in sides]
-          if any(f is None for f in fitted):
-            continue
-          if any(len(f[0]) < len(s[0]) for f, s in zip(fitted, sides)):
-            stats.truncated += 1
-          if has_mask and not all(m is None or m[1:].any() for _, m in fitted):
-            stats.skip("no target within --max-len", f"{where}: no token the loss counts "
-                       f"within --max-len {opts.max_len}", strict)
-            continue
-          splits[split].add(fitted, repeats if split == "train" else 1, i,
-                            result[5] if pairs else None)
-          stats.documents[split] += repeats if split == "train" else 1
-          stats.tokens[split] += len(fitted[0][0]) * (repeats if split == "train" else 1)
+          n = repeats if split == "train" else 1  # held-out rows are never repeated
+          splits[split].add(fitted, n, i, result[5] if plan.pairs else None)
+          stats.documents[split] += n
+          stats.tokens[split] += len(fitted[0][0]) * n
         bar.update(len(chunk))
-    finally:
-      bar.close()
-      for s in splits.values():
-        s.close()
-    if mixture:  # the training documents with their repeats, in one seeded shuffle
-      raw = splits["train"]
-      order = np.repeat(np.arange(len(raw.repeats)), np.frombuffer(raw.repeats, np.int64))
-      order = order[np.random.default_rng([seed, 2]).permutation(len(order))]
-      _shuffled(tmp, raw, "train", order, pairs)
-    elif pairs:
-      for name, s in splits.items():
-        (tmp / f"{name}.prefix").write_bytes(np.frombuffer(s.prefix, np.int64)
-                                             .astype(np.uint64).tobytes())
-    counts = {s: {"documents": sum(x.stats.documents[s] for x in sources),
-                  "tokens": sum(x.stats.tokens[s] for x in sources)} for s in SPLITS}
-    if pairs:  # each side's token count, which read_pairs checks the files against
-      for name in SPLITS:
-        counts[name]["sides"] = {side: (tmp / f"{name}.{side}.bin").stat().st_size
-                                 // dtype.itemsize for side in ("chosen", "rejected")}
-    if counts["train"]["documents"] == 0:
-      raise ValueError(f"{inputs}: no training documents left ({_skip_summary(sources)})")
-    meta["splits"] = counts
-    meta["stats"] = [s.stats.as_dict() for s in sources]
-    meta["checksums"] = {p.name: checksum(p) for p in sorted(tmp.iterdir())}
-    (tmp / "stats.json").write_text(json.dumps(meta["stats"], indent=1) + "\n")
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    _verify(tmp, meta)
-    if out.exists():
-      os.rename(out, old)
-    os.rename(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
-  except OSError as e:  # a full disk, a read-only or vanished folder: one line, not a traceback
-    raise ValueError(f"--out: cannot write {e.filename or out} ({e.strerror or e})") from None
   finally:
-    shutil.rmtree(tmp, ignore_errors=True)
+    for s in splits.values():
+      s.close()
+  return splits
+
+
+# ---- stage 5: finishing: the mixture's order, meta.json, the checks -----------------------------
+
+def _meta(req: Request, vocab: Vocabulary, plan: Plan) -> dict:
+  """meta.json's description of the data (the counts and checksums are added when written)."""
+  fmts = [s.fmt for s in plan.sources]
+  meta = {
+      "format": req.fmt if req.fmt != "auto" else fmts[0] if len(fmts) == 1 else "mixture",
+      "formats": fmts, "pairs": plan.pairs,
+      "dtype": vocab.dtype.name, "vocab_size": vocab.size, "eos_id": vocab.eos_id,
+      "pad_id": vocab.pad_id, "has_mask": plan.has_mask, "seed": req.seed,
+      "val_fraction": req.val_fraction, "tokenizer": str(vocab.file),
+      "tokenizer_fingerprint": vocab.fingerprint, "inputs": list(req.inputs),
+      "columns": req.columns, "roles": req.roles,
+      "weights": None if req.weights is None else list(req.weights),
+      "epochs": None if req.epochs is None else list(req.epochs), "shuffled": plan.mixture,
+      **dataclasses.asdict(req.options),
+  }
+  if plan.mask_method:
+    meta["mask_method"] = plan.mask_method
+  return meta
+
+
+def finish(tmp: Path, req: Request, vocab: Vocabulary, plan: Plan, splits: dict[str, _Split]
+           ) -> dict:
+  """Puts a mixture's training documents in one seeded shuffle (repeats included), writes the
+  pairs' prompt lengths, stats.json and meta.json, and opens every split as training will."""
+  if plan.mixture:
+    raw = splits["train"]
+    order = np.repeat(np.arange(len(raw.repeats)), np.frombuffer(raw.repeats, np.int64))
+    order = order[np.random.default_rng([req.seed, 2]).permutation(len(order))]
+    _shuffled(tmp, raw, "train", order, plan.pairs)
+  elif plan.pairs:
+    for name, s in splits.items():
+      (tmp / f"{name}.prefix").write_bytes(np.frombuffer(s.prefix, np.int64)
+                                           .astype(np.uint64).tobytes())
+  sources = plan.sources
+  counts = {s: {"documents": sum(x.stats.documents[s] for x in sources),
+                "tokens": sum(x.stats.tokens[s] for x in sources)} for s in SPLITS}
+  if plan.pairs:  # each side's token count, which read_pairs checks the files against
+    for name in SPLITS:
+      counts[name]["sides"] = {side: (tmp / f"{name}.{side}.bin").stat().st_size
+                               // vocab.dtype.itemsize for side in ("chosen", "rejected")}
+  if counts["train"]["documents"] == 0:
+    raise ValueError(f"{list(req.inputs)}: no training documents left ({_skip_summary(sources)})")
+  meta = {**_meta(req, vocab, plan), "splits": counts,
+          "stats": [s.stats.as_dict() for s in sources]}
+  meta["checksums"] = {p.name: checksum(p) for p in sorted(tmp.iterdir())}
+  (tmp / "stats.json").write_text(json.dumps(meta["stats"], indent=1) + "\n")
+  (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+  _verify(tmp, meta)
   return meta
 
 
@@ -656,7 +793,105 @@ def _verify(directory: Path, meta: dict):
       Prepared(directory, split, meta["vocab_size"])
 
 
-def _skip_summary(sources: list[_Source]) -> str:
+# ---- the output folder: checked, staged beside --out, swapped in --------------------------------
+
+def _check_out(out: Path) -> None:
+  """Refuses an --out that is a file, lies under one, or is a folder of other files."""
+  if out.exists() and not out.is_dir():
+    raise ValueError(f"--out: {out} is a file, not a directory")
+  if out.is_dir() and any(out.iterdir()) and not (out / "meta.json").is_file():
+    raise ValueError(f"--out: {out} holds files but no meta.json: not a prepared directory to "
+                     "replace; pass an empty or new folder")
+  for parent in out.parents:
+    if parent.exists():
+      if not parent.is_dir():
+        raise ValueError(f"--out: {out} lies under {parent}, a file, not a directory")
+      return
+
+
+@contextlib.contextmanager
+def _staging(out: Path):
+  """A temporary folder beside `out`, put in its place when the block ends and removed however it
+  ends (an error, Ctrl-C, a signal the CLI raises as an exception): `out` stays as it was.
+
+  A failed write is re-raised as an OSError with the cause's errno and a message naming --out."""
+  tmp = out.parent / f".{out.name}.prepare-tmp"
+  old = out.parent / f".{out.name}.prepare-old"
+  try:
+    shutil.rmtree(tmp, ignore_errors=True)  # what a killed run left: a re-run starts over
+    shutil.rmtree(old, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    yield tmp
+    _swap(tmp, out, old)
+  except OSError as e:  # a full disk, a read-only or vanished folder: one line, not a traceback
+    failed = OSError(f"--out: cannot write {e.filename or out} ({e.strerror or e})")
+    failed.errno = e.errno  # what exits.of_os_error tells a full disk by
+    raise failed from None
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _swap(tmp: Path, out: Path, old: Path):
+  """Renames `tmp` to `out` (an earlier `out` set aside first, then removed) with SIGINT and
+  SIGTERM held back: a stop lands before the swap or after it, never between the renames."""
+  held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
+  try:
+    if out.exists():
+      os.rename(out, old)
+    try:
+      os.rename(tmp, out)
+    except OSError:
+      if old.exists() and not out.exists():
+        os.rename(old, out)
+      raise
+    shutil.rmtree(old, ignore_errors=True)
+  finally:
+    signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+# ---- the command -------------------------------------------------------------------------------
+
+def run(req: Request, progress: bool = True, log=None) -> dict:
+  """Prepares `req` (the module docstring tells the stages and the files).
+
+  Args:
+    req: what to prepare.
+    progress: show a tqdm bar.
+    log: called with each line of news (the auto-detected formats); None: quiet.
+
+  Returns:
+    The meta.json contents; "stats" holds the per-source counts of stats.json.
+
+  Raises:
+    ValueError: a bad argument or input (one line naming it).
+    OSError: an input cannot be read, or --out cannot be written (its errno says why).
+  """
+  log = log or (lambda line: None)
+  _check_out(req.out)
+  vocab = load_vocabulary(req)
+  plan = plan_splits(req, vocab, resolve_sources(req, log))
+  with _staging(req.out) as tmp:
+    meta = finish(tmp, req, vocab, plan, tokenize_into(tmp, req, vocab, plan, progress))
+  return meta
+
+
+def prepare(tokenizer: str | Path, out: str | Path, inputs: list[str], fmt: str = "auto", *,
+            progress: bool = True, log=None, **settings) -> dict:
+  """Tokenizes `inputs` into the prepared directory `out`: run(Request(...), progress, log).
+
+  Args:
+    tokenizer: a directory holding tokenizer.json (and tokenizer_config.json), or tokenizer.json.
+    out: the directory to write.
+    inputs: the sources.
+    fmt: one of formats.FORMATS; auto picks each source's format from its first row.
+    progress: show a tqdm bar.
+    log: called with each line of news; None: quiet.
+    **settings: the other fields of Request (val_fraction, columns, weights, options, ...).
+  """
+  return run(Request(tokenizer, out, tuple(inputs), fmt, **settings), progress, log)
+
+
+def _skip_summary(sources) -> str:
   parts = [f"{e['count']} {reason}, first: {e['first']}" for s in sources
            for reason, e in s.stats.skipped.items()]
   return "skipped: " + "; ".join(parts) if parts else "every row was held out or dropped"
