@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from mtjax import exits
 from mtjax.runlog import METRICS, read_metrics
 
 # The parts of step_s as the trainer logs them (they add up to it); the waits on the host
@@ -258,21 +259,26 @@ def render(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(prog="python -m mtjax.report", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("run_dir", help="run folder holding metrics.jsonl")
-  p.add_argument("--out", help="folder for the PNGs (default RUN_DIR/report)")
+  p.add_argument("run_dir", help="run folder holding metrics.jsonl (train.run_dir; by default the "
+                                 "checkpoint_dir, else runs/<time>)")
+  p.add_argument("--out", help="folder for the PNGs (default: RUN_DIR/report)")
   args = p.parse_args(argv)
   if not (Path(args.run_dir) / METRICS).is_file():
-    print(f"error: {args.run_dir}: no {METRICS} (not a run folder?)", file=sys.stderr)
-    return 2
+    return exits.fail("error", f"{args.run_dir}: no {METRICS} (not a run folder?)",
+                      exits.BAD_INPUT)
   try:
     import matplotlib  # noqa: F401
   except ImportError:
-    print("error: python -m mtjax.report needs matplotlib (pip install 'matplotlib>=3.8,<4')",
-          file=sys.stderr)
-    return 2
-  for path in render(args.run_dir, args.out):
+    return exits.fail("error", "python -m mtjax.report needs matplotlib (pip install "
+                               "'matplotlib>=3.8,<4')", exits.BAD_INPUT)
+  try:
+    written = render(args.run_dir, args.out)
+  except OSError as e:  # an --out that is a file or read-only, a full disk
+    where = f": {e.filename}" if e.filename else ""
+    return exits.fail("error", f"{e.strerror or exits.one_line(e)}{where}", exits.of_os_error(e))
+  for path in written:
     print(path)
-  return 0
+  return exits.OK
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from mtjax import report  # noqa: E402
+from mtjax import exits, report  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -77,6 +77,31 @@ def test_tokens_seen_from_throughput():
 
 
 def test_folder_without_metrics_is_one_line_error(tmp_path, capsys):
-  assert report.main([str(tmp_path)]) == 2
+  assert report.main([str(tmp_path)]) == exits.BAD_INPUT
   err = capsys.readouterr().err
   assert len(err.strip().splitlines()) == 1 and "metrics.jsonl" in err
+
+
+def test_an_unwritable_out_or_a_full_disk_is_one_line_and_its_code(tmp_path, capsys, monkeypatch):
+  import errno
+
+  import matplotlib.figure
+  run_dir = tmp_path / "run"
+  run_dir.mkdir()
+  _write_run(run_dir)
+  (tmp_path / "file").write_text("x")
+  assert report.main([str(run_dir), "--out", str(tmp_path / "file")]) == exits.BAD_INPUT
+  assert capsys.readouterr().err == f"error: File exists: {tmp_path / 'file'}\n"
+
+  def full(fig, path, *a, **k):
+    raise OSError(errno.ENOSPC, "No space left on device", str(path))
+  monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full)
+  assert report.main([str(run_dir), "--out", str(tmp_path / "plots")]) == exits.IO_FAILURE
+  assert capsys.readouterr().err == f"error: No space left on device: {tmp_path / 'plots'}" \
+                                    f"/loss.png\n"
+
+
+def test_help_shows_the_defaults(capsys):
+  with pytest.raises(SystemExit) as e:
+    report.main(["--help"])
+  assert e.value.code == exits.OK and "(default: RUN_DIR/report)" in capsys.readouterr().out
