@@ -33,6 +33,18 @@ class CheckpointMismatch(ValueError):
   """A checkpoint of another model (other layer groups or parameter shapes): never skipped over."""
 
 
+class Damaged(ValueError):
+  """A checkpoint that does not read back whole: meta.json missing or unreadable, or a group that
+  does not restore, has the wrong shape, fails its checksum or holds non-finite values."""
+
+  def __init__(self, path: str | Path, why: str):
+    super().__init__(f"checkpoint {path}: {why}")
+    self.path, self.why = Path(path), why
+
+  def __reduce__(self):  # pickled with both arguments, not the message alone
+    return type(self), (self.path, self.why)
+
+
 class SaveFailed(OSError):
   """A checkpoint could not be written; its partial folder is gone and the state is untouched."""
 
@@ -188,6 +200,12 @@ def steps(directory: str | Path) -> list[Path]:
   return [p for _, p in sorted(done, reverse=True)]
 
 
+def step_number(path: str | Path) -> int | None:
+  """N of a step folder's name step_N; None for any other name."""
+  m = _STEP_DIR.match(Path(path).name)
+  return int(m.group(1)) if m else None
+
+
 def latest(directory: str | Path) -> Path | None:
   """The newest committed checkpoint under `directory`, or None."""
   found = steps(directory)
@@ -197,13 +215,13 @@ def latest(directory: str | Path) -> Path | None:
 def read_meta(path: str | Path) -> dict:
   meta_file = Path(path) / "meta.json"
   if not meta_file.exists():
-    raise ValueError(f"checkpoint {path}: no meta.json (incomplete or not a checkpoint)")
+    raise Damaged(path, "no meta.json (incomplete or not a checkpoint)")
   try:
     meta = json.loads(meta_file.read_text())
   except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise ValueError(f"checkpoint {path}: meta.json unreadable ({type(e).__name__})") from None
+    raise Damaged(path, f"meta.json unreadable ({type(e).__name__})") from None
   if not isinstance(meta, dict):
-    raise ValueError(f"checkpoint {path}: meta.json is not a mapping")
+    raise Damaged(path, "meta.json is not a mapping")
   return meta
 
 
@@ -232,18 +250,18 @@ def restore(store: LayerStore, path: str | Path) -> dict:
     try:
       tree = ckptr.restore(path / g.name)
     except Exception as e:  # noqa: BLE001 - orbax's many error types, reworded at the boundary
-      raise ValueError(f"checkpoint {path}: group {g.name} does not restore "
-                       f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+      raise Damaged(path, f"group {g.name} does not restore "
+                          f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
     leaves, treedef = jax.tree.flatten(g.opt)
     got = [np.asarray(tree["opt"][str(k)]) for k in range(len(leaves))]
     w = np.asarray(tree["w"], np.float32)
     if w.shape != (g.size,) or any(a.shape != b.shape for a, b in zip(got, leaves)):
-      raise ValueError(f"checkpoint {path}: group {g.name} has arrays of the wrong shape")
+      raise Damaged(path, f"group {g.name} has arrays of the wrong shape")
     want_sums = meta.get(CHECKSUM, {}).get(g.name)
     if want_sums is not None and [checksum(a) for a in [w, *got]] != want_sums:
-      raise ValueError(f"checkpoint {path}: group {g.name} does not match its checksum (corrupted)")
+      raise Damaged(path, f"group {g.name} does not match its checksum (corrupted)")
     if not all(np.all(np.isfinite(a)) for a in [w, *got]):
-      raise ValueError(f"checkpoint {path}: group {g.name} holds non-finite values")
+      raise Damaged(path, f"group {g.name} holds non-finite values")
     store.write(i, w=w, opt=jax.tree.unflatten(treedef, got))
   store.step = int(meta["step"])
   return meta.get("extra", {})
@@ -275,14 +293,14 @@ def restore_latest(store: LayerStore, directory: str | Path) -> tuple[Path | Non
 
 def read_weights(path: str | Path, name: str, want_sum: int | None = None) -> np.ndarray:
   """One group's fp32 weights from the checkpoint at `path`, checked against its recorded hash
-  (`want_sum`, from meta.json); a group that does not restore or match raises ValueError."""
+  (`want_sum`, from meta.json); a group that does not restore or match raises Damaged."""
   try:
     w = np.asarray(ocp.StandardCheckpointer().restore(Path(path).absolute() / name)["w"],
                    np.float32)
   except Exception as e:  # noqa: BLE001 - orbax's many error types, reworded at the boundary
-    raise ValueError(f"checkpoint {path}: group {name} does not restore ({reason(e)})") from None
+    raise Damaged(path, f"group {name} does not restore ({reason(e)})") from None
   if want_sum is not None and checksum(w) != want_sum:
-    raise ValueError(f"checkpoint {path}: group {name} does not match its checksum (corrupted)")
+    raise Damaged(path, f"group {name} does not match its checksum (corrupted)")
   return w
 
 

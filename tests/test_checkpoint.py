@@ -191,3 +191,50 @@ def test_a_failed_save_leaves_nothing_behind_and_the_state_untouched(tmp_path, m
   with pytest.raises(checkpoint.SaveFailed, match="No such file or directory"):
     checkpoint.save(st, tmp_path)
   assert not tmp_path.exists()
+
+
+def test_export_of_a_damaged_step_names_the_intact_one(tmp_path, capsys):
+  from mtjax import exits, export
+  cfg, st = new()
+  ck = tmp_path / "ck"
+  ck.mkdir()
+  for step in (1, 2, 3):
+    st.step = step
+    checkpoint.save(st, ck, {"config": config.to_dict(cfg)})
+  shutil.rmtree(ck / "step_3" / "block_1")  # a group lost from the newest step
+  (ck / "step_2" / "meta.json").write_text('{"step": 2, "gro')  # torn
+  out = tmp_path / "out"
+
+  def run(arg):
+    code = export.main(["--checkpoint", str(arg), "--out", str(out)])
+    return code, capsys.readouterr().err
+
+  for arg in (ck, ck / "step_3"):  # the checkpoint_dir's newest step, or that step by name
+    code, err = run(arg)
+    assert code == exits.BAD_INPUT and err.count("\n") == 1, err
+    assert err.startswith(f"error: {ck / 'step_3'} is damaged (group block_1 does not restore ")
+    assert err.endswith(f"); {ck / 'step_1'} is intact: --checkpoint {ck / 'step_1'}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # nothing written, nothing beside
+  code, err = run(ck / "step_2")
+  assert code == exits.BAD_INPUT and err == (f"error: {ck / 'step_2'} is damaged (meta.json "
+                                             f"unreadable (JSONDecodeError)); {ck / 'step_1'} is "
+                                             f"intact: --checkpoint {ck / 'step_1'}\n")
+  assert run(ck / "step_1")[0] == exits.OK and (out / "config.json").is_file()
+  shutil.rmtree(out)
+  shutil.rmtree(ck / "step_1" / "block_0")
+  code, err = run(ck)
+  assert code == exits.BAD_INPUT and err.endswith(f"; no older step in {ck} is intact\n")
+  code, err = run(tmp_path / "nothing")
+  assert code == exits.BAD_INPUT and err == (f"error: --checkpoint: {tmp_path / 'nothing'} is "
+                                             f"neither a checkpoint (no meta.json) nor a folder "
+                                             f"holding one (step_N)\n")
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_export_help_shows_the_defaults(capsys):
+  from mtjax import exits, export
+  with pytest.raises(SystemExit) as e:
+    export.main(["--help"])
+  text = " ".join(capsys.readouterr().out.split())
+  assert e.value.code == exits.OK
+  assert "(default: bfloat16)" in text and "(default: the checkpoint's copy" in text
