@@ -322,24 +322,42 @@ def prune(directory: str | Path, keep: int) -> list[Path]:
   return gone
 
 
-def claim(directory: str | Path, resume: bool, overwrite: bool) -> None:
-  """Makes sure a run may use `directory` for its checkpoints, before anything is trained: it is
-  (or can be made) a writable folder, and a fresh run (resume false) never mixes its steps with
-  another run's unless asked to overwrite them, which deletes them."""
+def check_claim(directory: str | Path, resume: bool, overwrite: bool) -> None:
+  """Refuses (ValueError) a checkpoint folder a run may not use, changing nothing, so a run that is
+  refused later (by the plan, its data) leaves no folder and loses no checkpoint: `directory` must
+  be a writable folder or one that can be made, and a fresh run (resume false) never mixes its
+  steps with another run's unless asked to overwrite them."""
   directory = Path(directory)
   if directory.exists() and not directory.is_dir():
     raise ValueError(f"train.checkpoint_dir: {directory} exists and is not a folder")
+  if not directory.exists():
+    parent = directory.absolute().parent
+    while not parent.exists():  # the nearest existing folder is where mkdir would begin
+      parent = parent.parent
+    why = ("Not a directory" if not parent.is_dir()
+           else "Read-only file system" if os.statvfs(parent).f_flag & os.ST_RDONLY
+           else "Permission denied" if not os.access(parent, os.W_OK | os.X_OK) else None)
+    if why:
+      raise ValueError(f"train.checkpoint_dir: cannot create {directory} ({why})")
+    return
+  if not os.access(directory, os.W_OK | os.X_OK):
+    raise ValueError(f"train.checkpoint_dir: {directory} is not writable")
+  found = steps(directory)
+  if found and not resume and not overwrite:
+    raise ValueError(f"train.checkpoint_dir: {directory} holds another run's checkpoints "
+                     f"({found[0].name} newest); resume it (train.resume=true), delete them "
+                     f"(train.overwrite=true) or use another folder")
+
+
+def claim(directory: str | Path, resume: bool, overwrite: bool) -> None:
+  """Takes `directory` for a run's checkpoints once nothing else can refuse the run: `check_claim`,
+  then the folder is made and, for a fresh run asked to overwrite, the other run's steps deleted."""
+  check_claim(directory, resume, overwrite)
+  directory = Path(directory)
   try:
     directory.mkdir(parents=True, exist_ok=True)
   except OSError as e:
     raise ValueError(f"train.checkpoint_dir: cannot create {directory} ({e.strerror})") from None
-  if not os.access(directory, os.W_OK | os.X_OK):
-    raise ValueError(f"train.checkpoint_dir: {directory} is not writable")
-  found = steps(directory)
-  if found and not resume:
-    if not overwrite:
-      raise ValueError(f"train.checkpoint_dir: {directory} holds another run's checkpoints "
-                       f"({found[0].name} newest); resume it (train.resume=true), delete them "
-                       f"(train.overwrite=true) or use another folder")
-    for p in found:
+  if not resume:
+    for p in steps(directory):  # only with overwrite: check_claim refused them otherwise
       shutil.rmtree(p)

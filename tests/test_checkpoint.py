@@ -1,5 +1,6 @@
 """Checkpoints: a resumed run equals the uninterrupted one; a mismatched or damaged one is refused."""
 
+import os
 import shutil
 from pathlib import Path
 
@@ -238,3 +239,33 @@ def test_export_help_shows_the_defaults(capsys):
   text = " ".join(capsys.readouterr().out.split())
   assert e.value.code == exits.OK
   assert "(default: bfloat16)" in text and "(default: the checkpoint's copy" in text
+
+
+def test_checking_a_claim_changes_nothing_and_claiming_takes_the_folder(tmp_path):
+  ck = tmp_path / "runs" / "ck"
+  checkpoint.check_claim(ck, resume=False, overwrite=False)
+  assert not (tmp_path / "runs").exists()  # a run refused after this check leaves no folder
+  checkpoint.claim(ck, resume=False, overwrite=False)
+  assert ck.is_dir() and not any(ck.iterdir())
+  _, st = new()
+  checkpoint.save(st, ck)  # another run's step
+  with pytest.raises(ValueError, match="holds another run's checkpoints .step_0 newest."):
+    checkpoint.check_claim(ck, resume=False, overwrite=False)
+  checkpoint.check_claim(ck, resume=False, overwrite=True)
+  checkpoint.check_claim(ck, resume=True, overwrite=False)
+  assert checkpoint.latest(ck) == ck / "step_0"  # kept until the run is claimed
+  checkpoint.claim(ck, resume=True, overwrite=False)
+  assert checkpoint.latest(ck) == ck / "step_0"  # a resume keeps them
+  checkpoint.claim(ck, resume=False, overwrite=True)
+  assert checkpoint.latest(ck) is None and ck.is_dir()
+  (tmp_path / "file").write_text("x")
+  with pytest.raises(ValueError, match="file exists and is not a folder"):
+    checkpoint.check_claim(tmp_path / "file", resume=False, overwrite=False)
+  with pytest.raises(ValueError, match=r"cannot create .*file/ck \(Not a directory\)"):
+    checkpoint.check_claim(tmp_path / "file" / "ck", resume=False, overwrite=False)
+  if os.geteuid() != 0:  # root writes anywhere
+    (tmp_path / "locked").mkdir(mode=0o500)
+    with pytest.raises(ValueError, match=r"cannot create .*locked/a/ck \(Permission denied\)"):
+      checkpoint.check_claim(tmp_path / "locked" / "a" / "ck", resume=False, overwrite=False)
+  assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["runs", "file"] + (
+      ["locked"] if os.geteuid() != 0 else []))
