@@ -11,7 +11,8 @@ The steps, each the command a user runs (printed as it runs):
   4. python -m mtjax.train --config configs/finetune.yaml model.from_hf=BASE data.path=DATA ...
      with held-out loss and a Hugging Face export at the end;
   5. the held-out loss of the base model and of the export, the same batches for both.
-WORKDIR/summary.json holds the numbers and paths.
+Everything it writes lands under WORKDIR (the runs' metrics in WORKDIR/runs); WORKDIR/summary.json
+holds the numbers and paths.
 """
 import json
 import os
@@ -52,7 +53,7 @@ def sh(*args):
 
 
 rng = random.Random(0)
-for d in ("tokenizer", "base_model", "base_data", "chat_data", "finetuned"):
+for d in ("tokenizer", "base_model", "base_data", "chat_data", "finetuned", "runs"):
   shutil.rmtree(work / d, ignore_errors=True)
 
 # 1a. Plain text the base model "knows": sentences over the same words the chats use.
@@ -91,7 +92,8 @@ sh("-m", "mtjax.data", "prepare", "--tokenizer", tok_dir, "--out", work / "base_
    "--format", "jsonl", "--eos", "<|endoftext|>", "--val-fraction", "0.05", "--quiet", base_text)
 sh("-m", "mtjax.train", "--config", "configs/tiny.yaml", "--no-progress",
    f"model.vocab_size={vocab}", "data.source=prepared", f"data.path={work / 'base_data'}",
-   "train.steps=60", f"train.export_dir={base}", "train.export_dtype=float32")
+   "train.steps=60", f"train.export_dir={base}", "train.export_dtype=float32",
+   f"train.run_dir={work / 'runs' / 'base'}")
 for name in ("tokenizer.json", "tokenizer_config.json"):
   shutil.copy(tok_dir / name, base / name)
 
@@ -121,7 +123,7 @@ toy = ["engine.compute_dtype=float32", "engine.loss_chunk=256", "train.batch=8",
 sh("-m", "mtjax.train", "--config", "configs/finetune.yaml", "--no-progress",
    "--json", work / "train_summary.json", f"model.from_hf={base}", f"data.path={data_dir}",
    "train.steps=80", "train.eval_every=20", f"train.export_dir={out}",
-   "train.export_dtype=float32", *toy)
+   "train.export_dtype=float32", f"train.run_dir={work / 'runs' / 'finetune'}", *toy)
 
 # 5. Held-out loss of the base model and of the export, on the same held-out batches as training
 # uses, through the library (loading an export back checks it too).

@@ -10,7 +10,8 @@ The steps, each the command a user runs (printed as it runs):
   4. python -m mtjax.train with the model shape as overrides: packed documents, held-out loss
      every few steps, a checkpoint at the end;
   5. python -m mtjax.export: the checkpoint as a Hugging Face directory.
-WORKDIR/summary.json holds the numbers and paths.
+Everything it writes lands under WORKDIR (the run's metrics in WORKDIR/runs); WORKDIR/summary.json
+holds the numbers and paths.
 """
 import json
 import math
@@ -39,7 +40,7 @@ def sh(*args):
     sys.exit(f"failed ({r.returncode}):\n{r.stderr[-3000:]}")
 
 
-for d in ("tokenizer", "data", "checkpoints", "export"):
+for d in ("tokenizer", "data", "checkpoints", "export", "runs"):
   shutil.rmtree(work / d, ignore_errors=True)
 
 # 1. The corpus. With your own, pass its folder: prepare reads every file under it, recursively.
@@ -86,7 +87,8 @@ model = [f"model.vocab_size={vocab}", "model.hidden=64", "model.layers=2", "mode
 run = ["data.source=prepared", f"data.path={data_dir}", "data.mode=packed",
        "engine.compute_dtype=float32", "engine.loss_chunk=256", "optim.lr=3e-3",
        "optim.warmup_steps=10", "train.steps=150", "train.batch=8", "train.seq=128",
-       "train.eval_every=25", "train.eval_batches=4", f"train.checkpoint_dir={ck}"]
+       "train.eval_every=25", "train.eval_batches=4", f"train.checkpoint_dir={ck}",
+       f"train.run_dir={work / 'runs'}"]
 # --config is required; an empty file leaves every setting to its default or an override above.
 (work / "empty.yaml").write_text("{}\n")
 sh("-m", "mtjax.train", "--config", work / "empty.yaml", "--no-progress",

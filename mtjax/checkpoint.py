@@ -33,6 +33,18 @@ class CheckpointMismatch(ValueError):
   """A checkpoint of another model (other layer groups or parameter shapes): never skipped over."""
 
 
+class Damaged(ValueError):
+  """A checkpoint that does not read back whole: meta.json missing or unreadable, or a group that
+  does not restore, has the wrong shape, fails its checksum or holds non-finite values."""
+
+  def __init__(self, path: str | Path, why: str):
+    super().__init__(f"checkpoint {path}: {why}")
+    self.path, self.why = Path(path), why
+
+  def __reduce__(self):  # pickled with both arguments, not the message alone
+    return type(self), (self.path, self.why)
+
+
 class SaveFailed(OSError):
   """A checkpoint could not be written; its partial folder is gone and the state is untouched."""
 
@@ -188,6 +200,12 @@ def steps(directory: str | Path) -> list[Path]:
   return [p for _, p in sorted(done, reverse=True)]
 
 
+def step_number(path: str | Path) -> int | None:
+  """N of a step folder's name step_N; None for any other name."""
+  m = _STEP_DIR.match(Path(path).name)
+  return int(m.group(1)) if m else None
+
+
 def latest(directory: str | Path) -> Path | None:
   """The newest committed checkpoint under `directory`, or None."""
   found = steps(directory)
@@ -197,13 +215,13 @@ def latest(directory: str | Path) -> Path | None:
 def read_meta(path: str | Path) -> dict:
   meta_file = Path(path) / "meta.json"
   if not meta_file.exists():
-    raise ValueError(f"checkpoint {path}: no meta.json (incomplete or not a checkpoint)")
+    raise Damaged(path, "no meta.json (incomplete or not a checkpoint)")
   try:
     meta = json.loads(meta_file.read_text())
   except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise ValueError(f"checkpoint {path}: meta.json unreadable ({type(e).__name__})") from None
+    raise Damaged(path, f"meta.json unreadable ({type(e).__name__})") from None
   if not isinstance(meta, dict):
-    raise ValueError(f"checkpoint {path}: meta.json is not a mapping")
+    raise Damaged(path, "meta.json is not a mapping")
   return meta
 
 
@@ -232,18 +250,18 @@ def restore(store: LayerStore, path: str | Path) -> dict:
     try:
       tree = ckptr.restore(path / g.name)
     except Exception as e:  # noqa: BLE001 - orbax's many error types, reworded at the boundary
-      raise ValueError(f"checkpoint {path}: group {g.name} does not restore "
-                       f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+      raise Damaged(path, f"group {g.name} does not restore "
+                          f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
     leaves, treedef = jax.tree.flatten(g.opt)
     got = [np.asarray(tree["opt"][str(k)]) for k in range(len(leaves))]
     w = np.asarray(tree["w"], np.float32)
     if w.shape != (g.size,) or any(a.shape != b.shape for a, b in zip(got, leaves)):
-      raise ValueError(f"checkpoint {path}: group {g.name} has arrays of the wrong shape")
+      raise Damaged(path, f"group {g.name} has arrays of the wrong shape")
     want_sums = meta.get(CHECKSUM, {}).get(g.name)
     if want_sums is not None and [checksum(a) for a in [w, *got]] != want_sums:
-      raise ValueError(f"checkpoint {path}: group {g.name} does not match its checksum (corrupted)")
+      raise Damaged(path, f"group {g.name} does not match its checksum (corrupted)")
     if not all(np.all(np.isfinite(a)) for a in [w, *got]):
-      raise ValueError(f"checkpoint {path}: group {g.name} holds non-finite values")
+      raise Damaged(path, f"group {g.name} holds non-finite values")
     store.write(i, w=w, opt=jax.tree.unflatten(treedef, got))
   store.step = int(meta["step"])
   return meta.get("extra", {})
@@ -275,14 +293,14 @@ def restore_latest(store: LayerStore, directory: str | Path) -> tuple[Path | Non
 
 def read_weights(path: str | Path, name: str, want_sum: int | None = None) -> np.ndarray:
   """One group's fp32 weights from the checkpoint at `path`, checked against its recorded hash
-  (`want_sum`, from meta.json); a group that does not restore or match raises ValueError."""
+  (`want_sum`, from meta.json); a group that does not restore or match raises Damaged."""
   try:
     w = np.asarray(ocp.StandardCheckpointer().restore(Path(path).absolute() / name)["w"],
                    np.float32)
   except Exception as e:  # noqa: BLE001 - orbax's many error types, reworded at the boundary
-    raise ValueError(f"checkpoint {path}: group {name} does not restore ({reason(e)})") from None
+    raise Damaged(path, f"group {name} does not restore ({reason(e)})") from None
   if want_sum is not None and checksum(w) != want_sum:
-    raise ValueError(f"checkpoint {path}: group {name} does not match its checksum (corrupted)")
+    raise Damaged(path, f"group {name} does not match its checksum (corrupted)")
   return w
 
 
@@ -304,24 +322,42 @@ def prune(directory: str | Path, keep: int) -> list[Path]:
   return gone
 
 
-def claim(directory: str | Path, resume: bool, overwrite: bool) -> None:
-  """Makes sure a run may use `directory` for its checkpoints, before anything is trained: it is
-  (or can be made) a writable folder, and a fresh run (resume false) never mixes its steps with
-  another run's unless asked to overwrite them, which deletes them."""
+def check_claim(directory: str | Path, resume: bool, overwrite: bool) -> None:
+  """Refuses (ValueError) a checkpoint folder a run may not use, changing nothing, so a run that is
+  refused later (by the plan, its data) leaves no folder and loses no checkpoint: `directory` must
+  be a writable folder or one that can be made, and a fresh run (resume false) never mixes its
+  steps with another run's unless asked to overwrite them."""
   directory = Path(directory)
   if directory.exists() and not directory.is_dir():
     raise ValueError(f"train.checkpoint_dir: {directory} exists and is not a folder")
+  if not directory.exists():
+    parent = directory.absolute().parent
+    while not parent.exists():  # the nearest existing folder is where mkdir would begin
+      parent = parent.parent
+    why = ("Not a directory" if not parent.is_dir()
+           else "Read-only file system" if os.statvfs(parent).f_flag & os.ST_RDONLY
+           else "Permission denied" if not os.access(parent, os.W_OK | os.X_OK) else None)
+    if why:
+      raise ValueError(f"train.checkpoint_dir: cannot create {directory} ({why})")
+    return
+  if not os.access(directory, os.W_OK | os.X_OK):
+    raise ValueError(f"train.checkpoint_dir: {directory} is not writable")
+  found = steps(directory)
+  if found and not resume and not overwrite:
+    raise ValueError(f"train.checkpoint_dir: {directory} holds another run's checkpoints "
+                     f"({found[0].name} newest); resume it (train.resume=true), delete them "
+                     f"(train.overwrite=true) or use another folder")
+
+
+def claim(directory: str | Path, resume: bool, overwrite: bool) -> None:
+  """Takes `directory` for a run's checkpoints once nothing else can refuse the run: `check_claim`,
+  then the folder is made and, for a fresh run asked to overwrite, the other run's steps deleted."""
+  check_claim(directory, resume, overwrite)
+  directory = Path(directory)
   try:
     directory.mkdir(parents=True, exist_ok=True)
   except OSError as e:
     raise ValueError(f"train.checkpoint_dir: cannot create {directory} ({e.strerror})") from None
-  if not os.access(directory, os.W_OK | os.X_OK):
-    raise ValueError(f"train.checkpoint_dir: {directory} is not writable")
-  found = steps(directory)
-  if found and not resume:
-    if not overwrite:
-      raise ValueError(f"train.checkpoint_dir: {directory} holds another run's checkpoints "
-                       f"({found[0].name} newest); resume it (train.resume=true), delete them "
-                       f"(train.overwrite=true) or use another folder")
-    for p in found:
+  if not resume:
+    for p in steps(directory):  # only with overwrite: check_claim refused them otherwise
       shutil.rmtree(p)

@@ -4,7 +4,9 @@ Writes loss.png (loss and held-out loss against step and tokens), lr.png, throug
 step_time.png (the split of each step as stacked bars), memory.png (host RSS and device peak over
 time) and, when RUN_DIR/timeline.json exists, timeline.png (per-layer transfers and compute of one
 step), and for DPO rewards.png (chosen, rejected rewards and their margin) and
-reward_accuracy.png. A plot whose fields were never logged is left out. Needs matplotlib.
+reward_accuracy.png. A plot whose fields were never logged is left out. The throughput and
+step-time plots leave out the first step, which compiles, and say so in their titles. Needs
+matplotlib.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ import json
 import sys
 from pathlib import Path
 
+from mtjax import exits
 from mtjax.runlog import METRICS, read_metrics
 
-# The parts of step_s, in stacking order, with their legend names.
 # The parts of step_s as the trainer logs them (they add up to it); the waits on the host
 # optimizer and the device happen inside them and are drawn as lines over the bars.
 SPLIT = (("forward_s", "forward (issued)"), ("backward_s", "backward (issued)"),
@@ -33,6 +35,26 @@ def _series(records: list[dict], field: str, x: list) -> tuple[list, list]:
 
 def _has(records: list[dict], field: str) -> bool:
   return any(isinstance(r.get(field), (int, float)) for r in records)
+
+
+def compile_step(records: list[dict]) -> dict | None:
+  """The run's first training step, which compiles every layer program: the throughput and
+  step-time plots leave it out of their scale (a compile can take a hundred steps' time). None
+  when no other step was logged, so a one-step run still shows its step."""
+  trained = [r for r in records if _has([r], "step_s") or _has([r], "tokens_per_s")]
+  return trained[0] if len(trained) > 1 else None
+
+
+def _without(records: list[dict], left_out: dict | None) -> list[dict]:
+  return [r for r in records if r is not left_out]
+
+
+def _left_out(first: dict | None) -> str:
+  """The title's note on the step a plot leaves out."""
+  if first is None:
+    return ""
+  took = f", {first['step_s']:.1f} s" if _has([first], "step_s") else ""
+  return f"\nstep {first['step']} (compilation{took}) left out"
 
 
 def tokens_seen(records: list[dict]) -> list[float] | None:
@@ -76,6 +98,8 @@ def _plot_pair(plt, records, fields, ylabel, title, path, tokens, log_y=False) -
 
 
 def _plot_throughput(plt, records, path) -> Path:
+  first = compile_step(records)
+  records = _without(records, first)
   fig, ax = plt.subplots(figsize=(8, 4))
   steps = [r["step"] for r in records]
   xs, ys = _series(records, "tokens_per_s", steps)
@@ -83,7 +107,7 @@ def _plot_throughput(plt, records, path) -> Path:
                   label="tokens/s")
   ax.set_xlabel("step")
   ax.set_ylabel("tokens/s")
-  ax.set_title("Training throughput (tokens/s) against step")
+  ax.set_title("Training throughput (tokens/s) against step" + _left_out(first))
   ax.grid(alpha=0.3)
   if _has(records, "model_tflops"):
     right = ax.twinx()
@@ -98,6 +122,8 @@ def _plot_throughput(plt, records, path) -> Path:
 
 
 def _plot_step_time(plt, records, path) -> Path:
+  first = compile_step(records)
+  records = _without(records, first)
   fig, ax = plt.subplots(figsize=(max(8, min(20, len(records) * 0.15)), 4))
   steps = [r["step"] for r in records]
   num = lambda r, f: r[f] if isinstance(r.get(f), (int, float)) else 0.0  # noqa: E731
@@ -117,7 +143,7 @@ def _plot_step_time(plt, records, path) -> Path:
       ax.plot(steps, [num(r, field) for r in records], marker=".", linewidth=1, label=label)
   ax.set_xlabel("step")
   ax.set_ylabel("seconds")
-  ax.set_title("Step time split per step (stacked)")
+  ax.set_title("Step time split per step (stacked)" + _left_out(first))
   ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # off the bars
   fig.tight_layout()
   fig.savefig(path, dpi=110)
@@ -233,21 +259,26 @@ def render(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(prog="python -m mtjax.report", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("run_dir", help="run folder holding metrics.jsonl")
-  p.add_argument("--out", help="folder for the PNGs (default RUN_DIR/report)")
+  p.add_argument("run_dir", help="run folder holding metrics.jsonl (train.run_dir; by default the "
+                                 "checkpoint_dir, else runs/<time>)")
+  p.add_argument("--out", help="folder for the PNGs (default: RUN_DIR/report)")
   args = p.parse_args(argv)
   if not (Path(args.run_dir) / METRICS).is_file():
-    print(f"error: {args.run_dir}: no {METRICS} (not a run folder?)", file=sys.stderr)
-    return 2
+    return exits.fail("error", f"{args.run_dir}: no {METRICS} (not a run folder?)",
+                      exits.BAD_INPUT)
   try:
     import matplotlib  # noqa: F401
   except ImportError:
-    print("error: python -m mtjax.report needs matplotlib (pip install 'matplotlib>=3.8,<4')",
-          file=sys.stderr)
-    return 2
-  for path in render(args.run_dir, args.out):
+    return exits.fail("error", "python -m mtjax.report needs matplotlib (pip install "
+                               "'matplotlib>=3.8,<4')", exits.BAD_INPUT)
+  try:
+    written = render(args.run_dir, args.out)
+  except OSError as e:  # an --out that is a file or read-only, a full disk
+    where = f": {e.filename}" if e.filename else ""
+    return exits.fail("error", f"{e.strerror or exits.one_line(e)}{where}", exits.of_os_error(e))
+  for path in written:
     print(path)
-  return 0
+  return exits.OK
 
 
 if __name__ == "__main__":

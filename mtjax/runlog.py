@@ -1,5 +1,6 @@
 """A run folder: the resolved config, the plan, one JSON line of metrics per step, and the same
-numbers sent to the trackers the config names (train.trackers).
+numbers sent to the trackers the config names (train.trackers); and the run's progress on the
+terminal or in its log (`Progress`).
 
 Layout of RUN_DIR: config.yaml and config.json (the resolved config), plan.txt, metrics.jsonl (one
 JSON object per step; non-finite floats are null, so every line is valid JSON) and, with the
@@ -11,17 +12,20 @@ under RUN_DIR/wandb; WANDB_MODE=offline keeps them there).
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import math
 import numbers
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import yaml
+from tqdm import tqdm
 
 logger = logging.getLogger("mtjax")
 
@@ -228,3 +232,137 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     except json.JSONDecodeError:
       continue
   return out
+
+
+# ---- progress -------------------------------------------------------------------------------
+
+PROGRESS_MODES = ("auto", "lines", "off")
+_ETA_WINDOW = 1000  # steady steps the ETA's median is taken over: it follows a change of speed
+
+
+def duration(seconds: float) -> str:
+  """A duration as the two largest units that matter: 45s, 3m12s, 2h05m, 3d04h."""
+  s = max(0, round(seconds))
+  days, s = divmod(s, 86400)
+  hours, s = divmod(s, 3600)
+  minutes, s = divmod(s, 60)
+  if days:
+    return f"{days}d{hours:02d}h"
+  if hours:
+    return f"{hours}h{minutes:02d}m"
+  return f"{minutes}m{s:02d}s" if minutes else f"{s}s"
+
+
+def _is_terminal(stream) -> bool:
+  try:
+    return bool(stream.isatty())
+  except (AttributeError, ValueError):  # no isatty, or a closed stream
+    return False
+
+
+class Progress:
+  """A run's progress: a tqdm bar on a terminal, plain step lines anywhere else, or nothing.
+
+  A step line, e.g. `step 12/200  loss 3.4521  lr 2.90e-04  gnorm 0.812  12,345 tok/s  held-out
+  3.6012  ETA 3m12s`, ends in a newline and is flushed at once, so a log file or a pipe holds
+  whole lines and no carriage returns. Lines (and the bar's loss figures) come at the run's first
+  step, every `every` steps and at the last step. The ETA is the median time of the steps after
+  the run's first (which compiles) times the steps left; the held-out loss is the latest one given.
+  """
+
+  def __init__(self, total_steps: int, start_step: int = 0, mode: str = "auto",
+               stream: TextIO | None = None, every: int = 1):
+    """Starts the bar (on a terminal) or nothing yet (lines, off).
+
+    Args:
+      total_steps: the step the run ends at (train.steps).
+      start_step: the steps done before this run (store.step after a restore, else 0).
+      mode: "auto" (the bar when `stream` is a terminal, lines otherwise), "lines" (always lines:
+        `--no-progress`) or "off" (nothing, notes included: `--quiet`).
+      stream: where it writes; sys.stdout when None.
+      every: steps between lines (train.log_every).
+    """
+    if mode not in PROGRESS_MODES:
+      raise ValueError(f"progress mode {mode!r}: one of {', '.join(PROGRESS_MODES)}")
+    if every < 1:
+      raise ValueError(f"progress every: {every} is not a positive number of steps")
+    self.stream = sys.stdout if stream is None else stream
+    self.total, self.start, self.every = int(total_steps), int(start_step), int(every)
+    if mode == "auto":
+      mode = "bar" if _is_terminal(self.stream) else "lines"
+    self.mode = mode  # resolved: "bar", "lines" or "off"
+    self.held_out: float | None = None
+    self._steady = collections.deque(maxlen=_ETA_WINDOW)
+    self._updates = 0
+    self._bar = None
+    if mode == "bar":
+      self._bar = tqdm(total=self.total, initial=self.start, desc="train", file=self.stream,
+                       dynamic_ncols=True)
+
+  def _due(self, step: int) -> bool:
+    return step == self.start + 1 or step % self.every == 0 or step >= self.total
+
+  def eta_s(self, step: int) -> float | None:
+    """Seconds until the last step from the steady steps' median; None before one is known."""
+    if not self._steady:
+      return None
+    return statistics.median(self._steady) * max(self.total - step, 0)
+
+  def update(self, step: int, loss: float, lr: float, grad_norm: float, tokens_per_s: float,
+             step_s: float, held_out: float | None = None) -> None:
+    """Reports step `step` (1-based: the steps done so far) once it finished.
+
+    Args:
+      step: the step just finished.
+      loss, lr, grad_norm, tokens_per_s, step_s: that step's figures (seconds for step_s).
+      held_out: a held-out loss evaluated at this step, if any; kept for the lines after it.
+    """
+    if held_out is not None:
+      self.held_out = float(held_out)
+    self._updates += 1
+    if self._updates > 1:  # the run's first step holds the compilation
+      self._steady.append(float(step_s))
+    if self.mode == "off":
+      return
+    due = self._due(step)
+    if self._bar is not None:
+      if due:
+        post = {"loss": f"{loss:.4f}", "tok_s": f"{tokens_per_s:,.0f}", "gnorm": f"{grad_norm:.3f}"}
+        if self.held_out is not None:
+          post["held_out"] = f"{self.held_out:.4f}"
+        self._bar.set_postfix(post, refresh=False)
+      self._bar.update(step - self._bar.n)
+      return
+    if not due:
+      return
+    line = (f"step {step}/{self.total}  loss {loss:.4f}  lr {lr:.2e}  gnorm {grad_norm:.3f}  "
+            f"{tokens_per_s:,.0f} tok/s")
+    if self.held_out is not None:
+      line += f"  held-out {self.held_out:.4f}"
+    eta = self.eta_s(step)
+    if eta is not None:
+      line += f"  ETA {duration(eta)}"
+    self._write(line)
+
+  def note(self, text: str) -> None:
+    """One line of its own (an epoch begins, an evaluation, a save), above the bar on a terminal."""
+    if self.mode == "off":
+      return
+    if self._bar is not None:
+      tqdm.write(text, file=self.stream)
+    else:
+      self._write(text)
+
+  def _write(self, line: str) -> None:
+    self.stream.write(line + "\n")
+    self.stream.flush()
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.close()  # a closed bar ignores later updates; tqdm.write still prints notes
+
+  def __enter__(self) -> Progress:
+    return self
+
+  def __exit__(self, *exc):
+    self.close()

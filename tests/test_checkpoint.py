@@ -1,5 +1,6 @@
 """Checkpoints: a resumed run equals the uninterrupted one; a mismatched or damaged one is refused."""
 
+import os
 import shutil
 from pathlib import Path
 
@@ -191,3 +192,80 @@ def test_a_failed_save_leaves_nothing_behind_and_the_state_untouched(tmp_path, m
   with pytest.raises(checkpoint.SaveFailed, match="No such file or directory"):
     checkpoint.save(st, tmp_path)
   assert not tmp_path.exists()
+
+
+def test_export_of_a_damaged_step_names_the_intact_one(tmp_path, capsys):
+  from mtjax import exits, export
+  cfg, st = new()
+  ck = tmp_path / "ck"
+  ck.mkdir()
+  for step in (1, 2, 3):
+    st.step = step
+    checkpoint.save(st, ck, {"config": config.to_dict(cfg)})
+  shutil.rmtree(ck / "step_3" / "block_1")  # a group lost from the newest step
+  (ck / "step_2" / "meta.json").write_text('{"step": 2, "gro')  # torn
+  out = tmp_path / "out"
+
+  def run(arg):
+    code = export.main(["--checkpoint", str(arg), "--out", str(out)])
+    return code, capsys.readouterr().err
+
+  for arg in (ck, ck / "step_3"):  # the checkpoint_dir's newest step, or that step by name
+    code, err = run(arg)
+    assert code == exits.BAD_INPUT and err.count("\n") == 1, err
+    assert err.startswith(f"error: {ck / 'step_3'} is damaged (group block_1 does not restore ")
+    assert err.endswith(f"); {ck / 'step_1'} is intact: --checkpoint {ck / 'step_1'}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # nothing written, nothing beside
+  code, err = run(ck / "step_2")
+  assert code == exits.BAD_INPUT and err == (f"error: {ck / 'step_2'} is damaged (meta.json "
+                                             f"unreadable (JSONDecodeError)); {ck / 'step_1'} is "
+                                             f"intact: --checkpoint {ck / 'step_1'}\n")
+  assert run(ck / "step_1")[0] == exits.OK and (out / "config.json").is_file()
+  shutil.rmtree(out)
+  shutil.rmtree(ck / "step_1" / "block_0")
+  code, err = run(ck)
+  assert code == exits.BAD_INPUT and err.endswith(f"; no older step in {ck} is intact\n")
+  code, err = run(tmp_path / "nothing")
+  assert code == exits.BAD_INPUT and err == (f"error: --checkpoint: {tmp_path / 'nothing'} is "
+                                             f"neither a checkpoint (no meta.json) nor a folder "
+                                             f"holding one (step_N)\n")
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_export_help_shows_the_defaults(capsys):
+  from mtjax import exits, export
+  with pytest.raises(SystemExit) as e:
+    export.main(["--help"])
+  text = " ".join(capsys.readouterr().out.split())
+  assert e.value.code == exits.OK
+  assert "(default: bfloat16)" in text and "(default: the checkpoint's copy" in text
+
+
+def test_checking_a_claim_changes_nothing_and_claiming_takes_the_folder(tmp_path):
+  ck = tmp_path / "runs" / "ck"
+  checkpoint.check_claim(ck, resume=False, overwrite=False)
+  assert not (tmp_path / "runs").exists()  # a run refused after this check leaves no folder
+  checkpoint.claim(ck, resume=False, overwrite=False)
+  assert ck.is_dir() and not any(ck.iterdir())
+  _, st = new()
+  checkpoint.save(st, ck)  # another run's step
+  with pytest.raises(ValueError, match="holds another run's checkpoints .step_0 newest."):
+    checkpoint.check_claim(ck, resume=False, overwrite=False)
+  checkpoint.check_claim(ck, resume=False, overwrite=True)
+  checkpoint.check_claim(ck, resume=True, overwrite=False)
+  assert checkpoint.latest(ck) == ck / "step_0"  # kept until the run is claimed
+  checkpoint.claim(ck, resume=True, overwrite=False)
+  assert checkpoint.latest(ck) == ck / "step_0"  # a resume keeps them
+  checkpoint.claim(ck, resume=False, overwrite=True)
+  assert checkpoint.latest(ck) is None and ck.is_dir()
+  (tmp_path / "file").write_text("x")
+  with pytest.raises(ValueError, match="file exists and is not a folder"):
+    checkpoint.check_claim(tmp_path / "file", resume=False, overwrite=False)
+  with pytest.raises(ValueError, match=r"cannot create .*file/ck \(Not a directory\)"):
+    checkpoint.check_claim(tmp_path / "file" / "ck", resume=False, overwrite=False)
+  if os.geteuid() != 0:  # root writes anywhere
+    (tmp_path / "locked").mkdir(mode=0o500)
+    with pytest.raises(ValueError, match=r"cannot create .*locked/a/ck \(Permission denied\)"):
+      checkpoint.check_claim(tmp_path / "locked" / "a" / "ck", resume=False, overwrite=False)
+  assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["runs", "file"] + (
+      ["locked"] if os.geteuid() != 0 else []))

@@ -1,26 +1,44 @@
-"""The workflow examples run end to end: held-out loss falls; the exports are Hugging Face models."""
+"""The workflow examples run end to end, writing only under their work folder: held-out loss falls;
+the exports are Hugging Face models."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-EXAMPLES = Path(__file__).parent.parent / "examples"
+ROOT = Path(__file__).parent.parent
 
 
-def run_example(name: str, work: Path) -> dict:
-  r = subprocess.run([sys.executable, str(EXAMPLES / name), str(work)], capture_output=True,
-                     text=True, timeout=300)
+def files(folder: Path) -> set[Path]:
+  """Every file under `folder` but Python's bytecode caches."""
+  return {p.relative_to(folder) for p in folder.rglob("*")
+          if p.is_file() and "__pycache__" not in p.parts}
+
+
+def run_example(name: str, tmp_path: Path) -> tuple[dict, Path]:
+  """Runs examples/NAME from a copy of the repository, which it must leave as it found it (its
+  files go to its work folder only); returns its summary and the work folder."""
+  repo, work = tmp_path / "repo", tmp_path / "work"
+  for part in ("mtjax", "configs", "examples"):
+    shutil.copytree(ROOT / part, repo / part, ignore=shutil.ignore_patterns("__pycache__"))
+  before = files(repo)
+  r = subprocess.run([sys.executable, str(repo / "examples" / name), str(work)], cwd=repo,
+                     env={**os.environ, "PYTHONPATH": str(repo)}, capture_output=True, text=True,
+                     timeout=300)
   assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  new = sorted(map(str, files(repo) - before))
+  assert not new, f"{name} wrote into the repository: {new[:5]}"
   # The printed lines and summary.json say the same thing; the README shows the printed ones.
   printed = {k: float(line.split(":")[1].split()[0]) for line in r.stdout.splitlines()
              for k in ("before", "after") if line.startswith(f"held-out loss {k}:")}
   s = json.loads((work / "summary.json").read_text())
   assert printed == pytest.approx({"before": s["held_out_before"], "after": s["held_out_after"]},
                                   abs=1e-4)
-  return s
+  return s, work
 
 
 def assert_hf_directory(path: Path, vocab: int):
@@ -31,14 +49,16 @@ def assert_hf_directory(path: Path, vocab: int):
 
 
 def test_pretrain_text(tmp_path):
-  s = run_example("pretrain_text.py", tmp_path)
+  s, work = run_example("pretrain_text.py", tmp_path)
   assert len(s["held_out"]) >= 2 and s["held_out_after"] < s["held_out_before"]
-  assert list((tmp_path / "checkpoints").glob("step_*"))
+  assert list((work / "checkpoints").glob("step_*"))
+  assert (work / "runs" / "metrics.jsonl").is_file()
   assert_hf_directory(Path(s["export_dir"]), s["vocab_size"])
 
 
 def test_finetune_chat(tmp_path):
-  s = run_example("finetune_chat.py", tmp_path)
+  s, work = run_example("finetune_chat.py", tmp_path)
+  assert {p.name for p in (work / "runs").iterdir()} == {"base", "finetune"}
   # before: the base model on the held-out chats; after: the export, reloaded, on the same batches.
   assert s["held_out_after"] < s["held_out_before"] - 0.5
   assert s["held_out_after"] == pytest.approx(s["held_out_during"][-1][1], rel=1e-4)

@@ -1,9 +1,12 @@
 """The run folder: metrics.jsonl schema, resume truncation, and TensorBoard files read back with
 the TFRecord framing checked by google-crc32c and each record parsed by the Event protobuf."""
 
+import io
 import json
 import logging
 import math
+import re
+import statistics
 import struct
 
 import google_crc32c
@@ -197,3 +200,89 @@ def test_wandb_offline_run_holds_the_scalars(tmp_path, monkeypatch):
   (run,) = (tmp_path / "wandb").glob("offline-run-*")
   assert list(run.glob("*.wandb")), "no offline run file"
   del wandb
+
+
+# ---- progress ----------------------------------------------------------------------------------
+
+_LINE = re.compile(r"step (\d+)/(\d+)  loss (\S+)  lr (\S+)  gnorm (\S+)  ([\d,]+) tok/s"
+                   r"(?:  held-out (\S+))?(?:  ETA (?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?)?$")
+
+
+def _eta_seconds(m: re.Match) -> int | None:
+  if not m.group(0).count("ETA"):
+    return None
+  d, h, mi, s = (int(g or 0) for g in m.groups()[7:])
+  return ((d * 24 + h) * 60 + mi) * 60 + s
+
+
+class _Terminal(io.StringIO):
+  def isatty(self):
+    return True
+
+
+def _feed(progress, steps, start=0, slow_first=30.0):
+  """Steps start+1..steps: the first takes 30 s (the compile), the others 1.5 s and 0.5 s in turn."""
+  times = []
+  for step in range(start + 1, steps + 1):
+    times.append(slow_first if step == start + 1 else (0.5 if step % 2 else 1.5))
+    progress.update(step, loss=4.0 - 0.01 * step, lr=3e-4, grad_norm=0.8, tokens_per_s=12345.0,
+                    step_s=times[-1], held_out=3.75 if step == 6 else None)
+  return times
+
+
+@pytest.mark.parametrize("mode", ["lines", "auto"])
+def test_progress_lines_off_a_terminal(mode):
+  out = io.StringIO()  # a file or a pipe: no isatty
+  with runlog.Progress(12, 0, mode=mode, stream=out, every=5) as p:
+    p.note("data: epoch 1 begins")
+    times = _feed(p, 12)
+  text = out.getvalue()
+  assert "\r" not in text and text.endswith("\n")
+  lines = text.splitlines()
+  assert lines[0] == "data: epoch 1 begins"
+  matches = [_LINE.match(line) for line in lines[1:]]
+  assert all(matches), lines
+  assert [int(m.group(1)) for m in matches] == [1, 5, 10, 12]  # first, every 5th, last
+  assert {int(m.group(2)) for m in matches} == {12}
+  assert float(matches[1].group(3)) == pytest.approx(3.95)
+  assert [m.group(7) for m in matches] == [None, None, "3.7500", "3.7500"]  # once evaluated
+  assert _eta_seconds(matches[0]) is None  # the compile step alone says nothing of the rest
+  for m in matches[1:]:
+    step = int(m.group(1))
+    want = statistics.median(times[1:step]) * (12 - step)  # the steps after the compile
+    assert _eta_seconds(m) == round(want), m.group(0)
+
+
+def test_progress_resumed_run_starts_its_lines_at_its_first_step():
+  out = io.StringIO()
+  with runlog.Progress(20, 13, mode="lines", stream=out, every=5) as p:
+    _feed(p, 20, start=13)
+  assert [int(_LINE.match(line).group(1)) for line in out.getvalue().splitlines()] == [14, 15, 20]
+
+
+def test_progress_bar_on_a_terminal_and_notes_above_it():
+  term = _Terminal()
+  with runlog.Progress(12, 0, mode="auto", stream=term, every=5) as p:
+    assert p.mode == "bar"
+    _feed(p, 6)
+    p.note("eval: held-out loss 3.7500 at step 6")
+    _feed(p, 12, start=6)
+  text = term.getvalue()
+  assert "\r" in text and "12/12" in text and "held_out=3.7500" in text
+  assert "\neval: held-out loss 3.7500 at step 6\n" in text.replace("\r", "\n")
+  assert not any(_LINE.match(line) for line in text.replace("\r", "\n").splitlines())
+
+
+def test_progress_off_writes_nothing_and_modes_are_checked():
+  out = _Terminal()
+  with runlog.Progress(12, 0, mode="off", stream=out) as p:
+    p.note("not shown")
+    _feed(p, 12)
+  assert out.getvalue() == ""
+  with pytest.raises(ValueError, match="progress mode 'bars': one of auto, lines, off"):
+    runlog.Progress(12, mode="bars")
+
+
+def test_duration():
+  assert [runlog.duration(s) for s in (0, 44.6, 192, 3600 * 2 + 300, 86400 * 3 + 3600 * 4)] == \
+      ["0s", "45s", "3m12s", "2h05m", "3d04h"]
