@@ -546,3 +546,26 @@ def test_the_plan_costs_the_attention_kernel_each_layer_takes():
   assert (plan.make(wide, rates=ampere).schedule_s > plan.make(wide, rates=hopper).schedule_s)
   gemma2 = config.load(CONFIGS / "gemma2_9b.yaml")
   assert set(plan.search.attention_kernels(gemma2, hopper)) == {"blockwise"}
+
+
+# Qwen2.5-14B's published config.json (Qwen/Qwen2.5-14B on the Hugging Face hub), its shape keys.
+QWEN2_5_14B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+               "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 48,
+               "num_attention_heads": 40, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+               "rope_theta": 1000000.0, "max_position_embeddings": 131072,
+               "max_window_layers": 48, "sliding_window": 131072, "use_sliding_window": False,
+               "tie_word_embeddings": False, "vocab_size": 152064}
+
+
+def test_the_14b_config_is_qwen2_5_14b_as_the_qwen2_family_reads_it():
+  """configs/qwen2.5_14b.yaml computes what the published Qwen2.5-14B does (the qwen2 family's
+  reading of its config.json, q/k/v biases included), so the plan labels it qwen2 and an export
+  writes Qwen2's config.json."""
+  from mtjax.models import registry  # noqa: PLC0415
+  m = config.load(CONFIGS / "qwen2.5_14b.yaml").model
+  assert m == config.ModelConfig(**registry.read_hf_config(QWEN2_5_14B))
+  assert plan.param_counts(m)["total"] == pytest.approx(14.77e9, abs=0.005e9)
+  assert plan.format_plan(plan.make(config.load(CONFIGS / "qwen2.5_14b.yaml"))).startswith("qwen2:")
+  written = registry.get(m.family).write_config(m, "bfloat16")
+  assert written["architectures"] == ["Qwen2ForCausalLM"] and written["attention_bias"] is True
+  assert config.ModelConfig(**registry.read_hf_config(written)) == m
