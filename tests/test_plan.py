@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jax
 import pytest
-from hypothesis import given, strategies as hst
+from hypothesis import given, settings, strategies as hst
 
 from mtjax import config, engine, models, plan, store as store_lib, train
 
@@ -569,3 +569,48 @@ def test_the_14b_config_is_qwen2_5_14b_as_the_qwen2_family_reads_it():
   written = registry.get(m.family).write_config(m, "bfloat16")
   assert written["architectures"] == ["Qwen2ForCausalLM"] and written["attention_bias"] is True
   assert config.ModelConfig(**registry.read_hf_config(written)) == m
+
+
+def test_the_size_refusal_names_the_models_true_parameter_count(monkeypatch):
+  """Llama-3-8B (8,030,261,248 parameters, as published) on 16 GiB of host memory: refused by
+  arithmetic before any layout, naming its real size."""
+  monkeypatch.setattr(models, "spec", lambda *a: pytest.fail("laid out to refuse by size"))
+  cfg = config.load(CONFIGS / "llama3_8b.yaml")
+  with pytest.raises(plan.PlanError, match=r"\(8\.03B params x 12 B/param\)") as e:
+    plan.make(cfg, host_limit=16 * 2**30)
+  assert f"{8_030_261_248 * 12 / 2**30:,.1f} GiB" in str(e.value)
+
+
+MOES = hst.one_of(hst.none(), hst.builds(
+    config.MoEConfig, experts=hst.sampled_from([4, 8]), experts_per_token=hst.just(2),
+    expert_ffn=hst.sampled_from([8, 24]), router_bias=hst.booleans(),
+    score_correction_bias=hst.booleans(), shared_experts=hst.integers(0, 2),
+    shared_ffn=hst.sampled_from([None, 16]), shared_gate=hst.booleans(),
+    first_dense_layers=hst.integers(0, 2), dense_layers=hst.sampled_from([(), (2,), (1, 3)]),
+    every=hst.integers(1, 2)))
+MLAS = hst.one_of(hst.none(), hst.builds(config.MLAConfig, kv_lora_rank=hst.sampled_from([8, 16]),
+                                         q_lora_rank=hst.sampled_from([None, 12])))
+
+
+@given(layers=hst.integers(1, 5), heads=hst.sampled_from([2, 4]), kv=hst.sampled_from([1, 2]),
+       head_dim=hst.sampled_from([None, 8]), flags=hst.fixed_dictionaries(
+           {k: hst.booleans() for k in ("qkv_bias", "o_bias", "qk_norm", "attention_sinks",
+                                        "mlp_bias", "tie_embeddings")}),
+       scope=hst.sampled_from(["head", "all"]), norms=hst.sampled_from(["pre", "sandwich", "post"]),
+       moe=MOES, mla=MLAS)
+@settings(max_examples=30)  # shapes only (no compile): cheap
+def test_the_arithmetic_count_is_the_layouts(layers, heads, kv, head_dim, flags, scope, norms, moe,
+                                             mla):
+  """`plan.count_params` (arithmetic on the config, what the size refusal prints) against the
+  parameters of the layouts the model is built from, over drawn options of every block part."""
+  m = config.ModelConfig(vocab_size=64, hidden=32, layers=layers, heads=heads, kv_heads=kv,
+                         head_dim=head_dim, ffn=40, qk_norm_scope=scope, norm_position=norms,
+                         moe=moe, mla=mla, **flags)
+  assert plan.count_params(m) == plan.param_counts(m)["total"]
+
+
+def test_the_arithmetic_count_is_the_layouts_for_every_shipped_shape():
+  for f in sorted(CONFIGS.glob("*.yaml")):
+    over = ["data.source=synthetic", "train.eval_every=0"] if f.name == "finetune.yaml" else []
+    m = config.load(f, over).model
+    assert plan.count_params(m) == plan.param_counts(m)["total"], f.name

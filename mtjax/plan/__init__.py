@@ -19,7 +19,7 @@ from mtjax.plan.probe import (DEVICE_MEMORY_FRACTION, backend_started, compiled_
                               configure_pinned_pool, device_memory_gbps, device_memory_limit,
                               host_memory_limit, prepare, probe_device_count, probe_device_memory)
 from mtjax.plan.schedule import (DEVICE_UPDATE_BYTES, HEAD_CHUNK_BYTES, HEAD_LOGIT_BYTES, Layer,
-                                 Rates, flops, param_counts, simulate)
+                                 Rates, count_params, flops, param_counts, simulate)
 from mtjax.plan.search import (ACTIVATIONS_EVERY, DEVICE_SPARE, EXHAUSTIVE_GROUPS, GRAD_QUEUES,
                                HOST_SPARE, Plan, PlanError, check, devices_of, make,
                                refuse_by_size)
@@ -46,7 +46,7 @@ __all__ = ["ACTIVATIONS_EVERY", "DEVICE_MEMORY_FRACTION", "DEVICE_SPARE", "DEVIC
            "DEVICE_UPDATE_BYTES", "EXHAUSTIVE_GROUPS", "GRAD_QUEUES", "GiB", "HEAD_CHUNK_BYTES",
            "HEAD_LOGIT_BYTES", "HOST_SPARE", "Layer", "Machine", "Plan", "PlanError",
            "RUNTIME_HOST_BYTES", "Rates", "SAVED_INPUT_ROUNDING", "backend_started", "check",
-           "compiled_memory", "configure_pinned_pool", "device_memory_gbps", "device_memory_limit",
+           "compiled_memory", "configure_pinned_pool", "count_params", "device_memory_gbps", "device_memory_limit",
            "devices_of", "flops", "format_plan", "hf_staging_bytes", "host_memory_limit",
            "human_bytes", "main", "make", "param_counts", "pinned_pool_bytes", "plan_summary",
            "prepare", "probe_device_count", "probe_device_memory", "refuse_by_size", "simulate"]

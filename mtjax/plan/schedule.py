@@ -14,6 +14,42 @@ def param_counts(m: config_lib.ModelConfig) -> dict[str, int]:
   return models.spec(m).counts
 
 
+def count_params(m: config_lib.ModelConfig) -> int:
+  """The model's parameters by arithmetic on its config, without laying out a layer (an absurd
+  size is refused at once: `refuse_by_size`); equal to `param_counts(m)["total"]`, which
+  tests/test_plan.py holds it to for every shipped config and drawn ones."""
+  D, H, V = m.hidden, m.heads, m.vocab_size
+  dense = lambda width, bias: 3 * D * width + (2 * width + D) * bias  # gate, up, down (+ biases)
+  if m.mla is None:
+    q, kv = H * m.dim_per_head, m.n_kv_heads * m.dim_per_head
+    attn = 2 * D * q + 2 * D * kv + (q + 2 * kv) * m.qkv_bias + D * m.o_bias + H * m.attention_sinks
+    if m.qk_norm:
+      attn += 2 * m.dim_per_head if m.qk_norm_scope == "head" else q + kv
+  else:
+    a = m.mla
+    qk = H * (a.qk_nope_dim + a.qk_rope_dim)
+    attn = (D * qk if a.q_lora_rank is None else (D + 1 + qk) * a.q_lora_rank)
+    attn += (D * (a.kv_lora_rank + a.qk_rope_dim) + a.kv_lora_rank
+             + a.kv_lora_rank * H * (a.qk_nope_dim + a.v_dim) + H * a.v_dim * D)
+  norms = D * (2 * (m.norm_position != "post") + 2 * (m.norm_position != "pre"))
+  block = norms + attn + dense(m.ffn, m.mlp_bias)
+  moe_block = moe_layers = 0
+  if m.moe is not None:
+    e = m.moe
+    E, F = e.experts, e.expert_ffn
+    experts = 3 * E * D * F + (2 * E * F + E * D) * m.mlp_bias
+    shared = (dense(e.shared_width, m.mlp_bias) + D * e.shared_gate
+              if e.shared_experts or e.shared_ffn else 0)
+    moe_block = (norms + attn + D * E + E * e.router_bias + E * e.score_correction_bias
+                 + experts + shared)
+    # layers i >= first_dense_layers with (i + 1) % every == 0, less the listed dense ones
+    first = min(e.first_dense_layers, m.layers)
+    moe_layers = m.layers // e.every - first // e.every - len(
+        {i for i in e.dense_layers if first <= i < m.layers and (i + 1) % e.every == 0})
+  head = D + (0 if m.tie_embeddings else D * V)
+  return V * D + (m.layers - moe_layers) * block + moe_layers * moe_block + head
+
+
 def flops(cfg: config_lib.Config) -> dict[str, float]:
   """FLOPs of one training step at the config's batch and sequence length.
 

@@ -11,7 +11,7 @@ from mtjax.plan.memory import (DEVICE_TIER_HOST_SHARE, GiB, RUNTIME_HOST_BYTES,
                                RUNTIME_HOST_BYTES_CPU, SAVED_INPUT_ROUNDING, hf_staging_bytes,
                                pinned_pool_bytes)
 from mtjax.plan.schedule import (DEVICE_UPDATE_BYTES, HEAD_CHUNK_BYTES, HEAD_LOGIT_BYTES, Layer,
-                                 Rates, param_counts, simulate)
+                                 Rates, count_params, simulate)
 
 class PlanError(RuntimeError):
   """The run does not fit; the message gives the numbers and what to change."""
@@ -269,29 +269,30 @@ def _place(cfg, build, G, host_limit, device_limit, rates) -> Plan:
 
 
 def refuse_by_size(cfg: config_lib.Config, host_limit: int | None, device_limit: int | None):
-  """Raises PlanError when the state alone (weights and AdamW moments, 12 B/param, 8 with bfloat16
-  moments) exceeds host
-  and device memory together: byte arithmetic on the config, before anything is laid out or
-  searched (an absurd size is refused at once)."""
+  """Raises PlanError when the state alone (weights and optimizer state: 12 B/param with AdamW's
+  fp32 moments, 8 with bfloat16 ones) exceeds host and device memory together: arithmetic on the
+  config, before anything is laid out or searched, so an absurd size is refused at once.
+
+  It decides on a lower bound of the parameters (the embedding and head, each block's query and
+  output projections and its feed-forward's matrices): a model near the limits gets the whole
+  plan's refusal, which says what to change. The message names the true count (`count_params`)."""
   if host_limit is None:
     return
   m = cfg.model
   D = m.hidden
-  # A lower bound on the parameters without a layout: embedding (and head), each block's query
-  # and output projections and its feed-forward's matrices (a mixture's every expert).
   mlp = 3 * D * m.ffn
   if m.moe is not None:
     mlp = min(mlp, 3 * D * m.moe.expert_ffn * m.moe.experts)
-  params = m.vocab_size * D * (1 if m.tie_embeddings else 2) + m.layers * (
+  at_least = m.vocab_size * D * (1 if m.tie_embeddings else 2) + m.layers * (
       2 * D * m.heads * m.dim_per_head + mlp)
   per_param = 4 + cfg.optim.moment_bytes
-  state = per_param * params
   total = host_limit + (device_limit or 0) * devices_of(cfg)
-  if state > total:
+  if per_param * at_least > total:
+    params = count_params(m)
     raise PlanError(f"does not fit in host memory and device memory together: the weights and "
-                    f"optimizer state alone need at least {state / GiB:,.1f} GiB ({params / 1e9:,.2f}B "
-                    f"params x {per_param} B/param) where {total / GiB:,.1f} GiB are available; use a "
-                    f"smaller model")
+                    f"optimizer state alone need at least {per_param * params / GiB:,.1f} GiB "
+                    f"({params / 1e9:,.2f}B params x {per_param} B/param) where {total / GiB:,.1f} "
+                    f"GiB are available; use a smaller model")
 
 
 def devices_of(cfg: config_lib.Config, available: int | None = None) -> int:
