@@ -614,3 +614,31 @@ def test_the_arithmetic_count_is_the_layouts_for_every_shipped_shape():
     over = ["data.source=synthetic", "train.eval_every=0"] if f.name == "finetune.yaml" else []
     m = config.load(f, over).model
     assert plan.count_params(m) == plan.param_counts(m)["total"], f.name
+
+
+def test_the_plan_counts_the_checkpoints_a_run_writes_and_shows_only_the_files_it_writes(tmp_path):
+  """A run saves every train.checkpoint_every steps and at its last step, once where they meet:
+  with every save kept (train.keep_checkpoints=0) the plan's count is the folders the run leaves.
+  The plan shows a checkpoint line only with train.checkpoint_dir, an export line only with
+  train.export_dir."""
+  tiny = lambda *o: config.load(CONFIGS / "tiny.yaml", ["train.tensorboard=false", *o])
+  for steps, every in ((6, 2), (5, 2)):  # saves at 2, 4, 6; at 2, 4, 5
+    ck = tmp_path / f"ck_{steps}"
+    cfg = tiny(f"train.steps={steps}", f"train.checkpoint_every={every}",
+               "train.keep_checkpoints=0", f"train.checkpoint_dir={ck}",
+               f"train.run_dir={tmp_path / 'runs'}")
+    train.run(cfg, progress=False)
+    written = len(list(ck.glob("step_*")))
+    assert written == 3 and plan.make(cfg).disk["checkpoints at once"] == written
+  # steps=30, checkpoint_every=10, keep 3: the saves are 10, 20 and 30, so at most 3 on disk
+  kept = plan.make(tiny("train.steps=30", "train.checkpoint_every=10", "train.keep_checkpoints=3",
+                        f"train.checkpoint_dir={tmp_path / 'ck'}"))
+  assert kept.disk["checkpoints at once"] == 3
+  assert kept.disk["checkpoints kept"] == 3 * kept.disk["one checkpoint"]
+  lines = lambda p: [ln for ln in plan.format_plan(p).splitlines() if "disk" in ln]
+  assert [ln.split(":")[0] for ln in lines(kept)] == ["checkpoint disk"]
+  neither = plan.make(tiny())
+  assert neither.disk == {} and lines(neither) == []
+  export = plan.make(tiny(f"train.export_dir={tmp_path / 'out'}"))
+  assert set(export.disk) == {"export"} and [ln.split(":")[0] for ln in lines(export)] == [
+      "export disk"]

@@ -52,12 +52,13 @@ def format_plan(plan: Plan) -> str:
                f"cross the link per step (host->device and back)"] if plan.grad_accum > 1 else []),
             "device bytes of the layer executables: " + ("from XLA's analysis of the compiled code"
                                                          if plan.compiled else "estimated")]
-  if plan.disk:
-    d = plan.disk
-    lines.append(f"disk: one checkpoint {human_bytes(d['one checkpoint'])}; "
-                 f"{d['checkpoints at once']} on disk at once {human_bytes(d['checkpoints kept'])} "
-                 f"(train.keep_checkpoints plus the one being written); export "
-                 f"{human_bytes(d['export'])}")
+  d = plan.disk
+  if "one checkpoint" in d:
+    lines.append(f"checkpoint disk: {human_bytes(d['checkpoints kept'])} (at most "
+                 f"{d['checkpoints at once']} on disk at once, {human_bytes(d['one checkpoint'])} "
+                 f"each)")
+  if "export" in d:
+    lines.append(f"export disk: {human_bytes(d['export'])}")
   if plan.runner_up is not None:
     n_dev, n_str, t = plan.runner_up
     why = (" (all state in device memory is taken when it fits: no host RAM, no link traffic)"

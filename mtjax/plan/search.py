@@ -479,16 +479,25 @@ EXPORT_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def disk_bytes(cfg: config_lib.Config, state_bytes: int, groups: int, params: int) -> dict[str, int]:
-  """Disk bytes of the run's files: one checkpoint (every group's weights and optimizer state,
-  uncompressed: a bound, as orbax's compression of trained weights gains little), the most
-  checkpoints on disk at once (train.keep_checkpoints committed plus the one being written, or
-  every save when keep is 0) and a Hugging Face export at train.export_dtype."""
+  """Disk bytes of the files the run writes, each item only where the run writes it.
+
+  With train.checkpoint_dir: one checkpoint (every group's weights and optimizer state,
+  uncompressed: a bound, as orbax's compression of trained weights gains little) and the most on
+  disk at once: the run saves every train.checkpoint_every steps and at its last step (one save
+  where the two coincide), and holds train.keep_checkpoints committed plus the one being written
+  (every save when keep is 0). With train.export_dir: a Hugging Face export at train.export_dtype.
+  """
   t = cfg.train
-  one = state_bytes + CHECKPOINT_FILE_BYTES * (groups + 1)
-  saves = (t.steps // t.checkpoint_every if t.checkpoint_every else 0) + 1  # the final one too
-  at_once = min(t.keep_checkpoints + 1, saves) if t.keep_checkpoints else saves
-  return {"one checkpoint": one, "checkpoints at once": at_once, "checkpoints kept": at_once * one,
-          "export": params * EXPORT_DTYPE_BYTES[t.export_dtype] + 2**20}  # + config, tokenizer
+  out = {}
+  if t.checkpoint_dir:
+    one = state_bytes + CHECKPOINT_FILE_BYTES * (groups + 1)
+    saves = -(-t.steps // t.checkpoint_every) if t.checkpoint_every else 1
+    at_once = min(t.keep_checkpoints + 1, saves) if t.keep_checkpoints else saves
+    out.update({"one checkpoint": one, "checkpoints at once": at_once,
+                "checkpoints kept": at_once * one})
+  if t.export_dir:
+    out["export"] = params * EXPORT_DTYPE_BYTES[t.export_dtype] + 2**20  # + config, tokenizer
+  return out
 
 
 def check(plan: Plan) -> None:
