@@ -642,3 +642,21 @@ def test_the_plan_counts_the_checkpoints_a_run_writes_and_shows_only_the_files_i
   export = plan.make(tiny(f"train.export_dir={tmp_path / 'out'}"))
   assert set(export.disk) == {"export"} and [ln.split(":")[0] for ln in lines(export)] == [
       "export disk"]
+
+
+def test_the_plans_tables_keep_one_column_past_their_longest_label():
+  """Every byte item's figure in one column, whatever its label: the H200 plan of the 3.37B shape
+  (all in device memory: "weights and optimizer state (device tier)", the longest label the plan
+  prints) and a CPU plan (its host-RAM device line)."""
+  on_h200 = plan.Machine.load(CONFIGS / "machines" / "h200.yaml").plan(
+      config.load(CONFIGS / "llama_3b.yaml"))
+  on_cpu = plan.make(config.load(CONFIGS / "tiny.yaml"), rates=plan.Rates(accelerator=False))
+  longest = max(len(k) for p in (on_h200, on_cpu) for k in [*p.host, *p.device])
+  for p in (on_h200, on_cpu):
+    items = [(k, v) for table in (p.host, p.device) for k, v in table.items() if v]
+    lines = [ln for ln in plan.format_plan(p).splitlines() if ln.startswith("  ")]
+    assert len({len(ln) for ln in lines}) == 1, lines  # the figures end in one column
+    for (k, v), ln in zip(items, lines, strict=True):
+      assert ln[2:].startswith(k + " ") and ln.endswith(f" {v / 2**30:.2f} GiB")
+  assert "weights and optimizer state (device tier)" in plan.format_plan(on_h200)
+  assert longest == len("weights and optimizer state (device tier)")

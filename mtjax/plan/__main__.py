@@ -34,11 +34,13 @@ def format_plan(plan: Plan) -> str:
            f"(device update), {tiers['host']} on the host",
            f"host memory: {plan.host_total / GiB:.2f} GiB of {lim(plan.host_limit)} "
            f"({'fits' if plan.fits_host else 'DOES NOT FIT'}); pinned {plan.pinned / GiB:.2f} GiB"]
-  lines += [f"  {k:<34}{v / GiB:>9.2f} GiB" for k, v in plan.host.items() if v]
+  width = max(map(len, [*plan.host, *plan.device])) + 2  # both tables' labels, one column
+  item = lambda k, v: f"  {k:<{width}}{v / GiB:>9.2f} GiB"
+  lines += [item(k, v) for k, v in plan.host.items() if v]
   each = f" per device, {plan.devices} devices" if plan.devices > 1 else ""
   lines += [f"device memory{each}: {plan.device_total / GiB:.2f} GiB of {lim(plan.device_limit)} "
             f"({'fits' if plan.fits_device else 'DOES NOT FIT'})"]
-  lines += [f"  {k:<34}{v / GiB:>9.2f} GiB" for k, v in plan.device.items() if v]
+  lines += [item(k, v) for k, v in plan.device.items() if v]
   lines += [f"predicted step >= {plan.roofline_s:.3f} s (roofline: "
             + ", ".join(f"{k} {v:.3f}" for k, v in plan.step_s.items()) + ")",
             f"predicted step {plan.schedule_best_s:.3f}-{plan.schedule_s:.3f} s (the engine's "
