@@ -13,7 +13,7 @@ import jax
 import pytest
 from hypothesis import given, settings, strategies as hst
 
-from mtjax import config, engine, models, plan, store as store_lib, train
+from mtjax import config, engine, exits, models, plan, store as store_lib, train
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 
@@ -466,7 +466,7 @@ def test_bfloat16_moments_let_the_gpt_oss_20b_shape_fit_the_h200_machine(capsys)
     plan.check(fp32)
   args = ["--config", str(CONFIGS / "gpt_oss_20b.yaml"), "--machine",
           str(CONFIGS / "machines" / "h200.yaml"), "optim.state_dtype=float32"]
-  assert plan.main(args) == 1
+  assert plan.main(args) == exits.BAD_INPUT  # does not fit: refused, as train refuses it
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("refused: does not fit in host memory")
 
@@ -660,3 +660,25 @@ def test_the_plans_tables_keep_one_column_past_their_longest_label():
       assert ln[2:].startswith(k + " ") and ln.endswith(f" {v / 2**30:.2f} GiB")
   assert "weights and optimizer state (device tier)" in plan.format_plan(on_h200)
   assert longest == len("weights and optimizer state (device tier)")
+
+
+def test_plan_refuses_a_run_that_does_not_fit_with_bad_input_as_train_does(tmp_path, capsys):
+  """"Does not fit" exits BAD_INPUT (2) from `plan` as from `train`, one line on stderr: refused by
+  size (the default path, as `train` refuses it), and refused after the plan is printed (a
+  machine file whose memories the 1B shape's plan exceeds)."""
+  run = lambda module, *a: subprocess.run([sys.executable, "-m", module, "--config",
+                                           str(CONFIGS / "tiny.yaml"), *a],
+                                          capture_output=True, text=True)
+  for r in (run("mtjax.plan", "model.layers=2000000"), run("mtjax.train", "model.layers=2000000")):
+    assert r.returncode == exits.BAD_INPUT, r.stderr
+    assert r.stderr.startswith("refused: does not fit in host memory") and r.stderr.count("\n") == 1
+  machine = tmp_path / "small.yaml"
+  machine.write_text("device_memory_gb: 1\ndevices: 1\nhost_memory_gb: 12\nmatmul_tflops: 100\n"
+                     "h2d_gbps: 10\nd2h_gbps: 10\nhost_adamw_gparams: 1\n")
+  out = tmp_path / "plan.json"
+  assert plan.main(["--config", str(CONFIGS / "llama_1b.yaml"), "--machine", str(machine),
+                    "--json", str(out)]) == exits.BAD_INPUT
+  printed = capsys.readouterr()
+  assert "(DOES NOT FIT)" in printed.out and not json.loads(out.read_text())["fits"]
+  err = printed.err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("refused: does not fit in host memory")

@@ -15,7 +15,7 @@ import math
 import sys
 from pathlib import Path
 
-from mtjax import cli, config as config_lib
+from mtjax import cli, config as config_lib, exits
 from mtjax.plan.memory import GiB, human_bytes
 from mtjax.plan.machine import Machine
 from mtjax.plan.probe import host_memory_limit, prepare, probe_device_memory
@@ -87,22 +87,31 @@ def main(argv=None) -> int:
     else:
       _, plan = prepare(cfg)
   except config_lib.ConfigError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  except PlanError as e:  # does not fit: an answer, not an error in the input (exit 1, as unfit)
-    print(f"refused: {e}", file=sys.stderr)
-    if args.json:
-      Path(args.json).write_text(json.dumps({"refused": str(e)}))
-    return 1
+    return exits.fail("error", e, exits.BAD_INPUT)
+  except PlanError as e:  # does not fit: refused, as `train` refuses it
+    failed = _write_json(args.json, {"refused": exits.one_line(e)})
+    return failed or exits.fail("refused", e, exits.BAD_INPUT)
   print(format_plan(plan))
-  if not (plan.fits_host and plan.fits_device):
-    try:
-      check(plan)
-    except PlanError as e:
-      print(f"refused: {e}", file=sys.stderr)
-  if args.json:
-    Path(args.json).write_text(json.dumps(plan_summary(plan), indent=1))
-  return 0 if plan.fits_host and plan.fits_device else 1
+  failed = _write_json(args.json, plan_summary(plan))
+  if failed:
+    return failed
+  try:
+    check(plan)
+  except PlanError as e:
+    return exits.fail("refused", e, exits.BAD_INPUT)
+  return exits.OK
+
+
+def _write_json(path: str | None, figures: dict) -> int:
+  """Writes `--json`; 0, or the exit code of a write that failed (its line printed)."""
+  if not path:
+    return 0
+  try:
+    Path(path).write_text(json.dumps(figures, indent=1))
+  except OSError as e:
+    return exits.fail("error", f"--json: cannot write {path} ({e.strerror or e})",
+                      exits.of_os_error(e))
+  return 0
 
 
 def plan_summary(plan: Plan) -> dict:
