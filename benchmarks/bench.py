@@ -40,7 +40,8 @@ from mtjax import config as config_lib  # noqa: E402
 from mtjax import cli, data, models, plan as plan_lib, store as store_lib  # noqa: E402
 from mtjax.layout import Layout  # noqa: E402
 from mtjax.models.layers import token_nll  # noqa: E402
-from mtjax.engine import DTYPES, Engine, attention_impl  # noqa: E402
+from mtjax.engine import Engine  # noqa: E402
+from mtjax.programs import DTYPES, attention_impl  # noqa: E402
 from mtjax.optimizer import HostOptimizer, UpdateRule, schedule  # noqa: E402
 from mtjax.train import device_peak_bytes  # noqa: E402
 

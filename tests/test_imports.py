@@ -22,7 +22,7 @@ LAYERS = [
      "mtjax.models.gpt_oss", "mtjax.models.deepseek"],
     ["mtjax.models.spec", "mtjax.models"],
     ["mtjax.hf", "mtjax.optimizer", "mtjax.dpo"],
-    ["mtjax.store", "mtjax.api"],
+    ["mtjax.store", "mtjax.api", "mtjax.programs"],
     ["mtjax.checkpoint", "mtjax.engine"],
     ["mtjax.cli", "mtjax.runlog", "mtjax.report"],
     ["mtjax.plan"],

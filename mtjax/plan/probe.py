@@ -128,7 +128,7 @@ def prepare(cfg: config_lib.Config, host_limit: int | None = None
                else compiled_memory(cfg, device, n_all))
   rule = opt_lib.UpdateRule(cfg.optim, cfg.decay_steps)
   opt_bytes = {k: rule.state_bytes(lay) for k, lay in models.spec(cfg.model).layouts.items()}
-  from mtjax.engine import device_capability  # noqa: PLC0415 - jax: loaded when used
+  from mtjax.programs import device_capability  # noqa: PLC0415 - jax: loaded when used
   rates = Rates(accelerator=accel, compute_capability=device_capability(device))
   if accel:  # the memory-bound parts (the head's softmax, device updates) at this GPU's rate
     rates = dataclasses.replace(rates, hbm_gbps=device_memory_gbps(device))
@@ -202,11 +202,11 @@ def configure_pinned_pool(pinned: int) -> None:
 
 def compiled_memory(cfg: config_lib.Config, device=None, devices: int = 1
                     ) -> dict[str, dict[str, int]]:
-  """Device bytes of each layer executable at the config's shapes, from XLA's own analysis of the
-  compiled code (`.lower().compile().memory_analysis()`): arguments, outputs, temporaries. With
-  the batch split over `devices`, one device's share (its slice of the batch)."""
+  """Device bytes of each layer program at the config's shapes, from XLA's own analysis of the
+  compiled code (`.lower().compile().memory_analysis()` of the programs the engine runs,
+  mtjax.programs): arguments, outputs, temporaries, aliased (donated) bytes. With the batch split
+  over `devices`, one device's share (its rows of one pass)."""
   import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
   device = device or jax.local_devices()[0]
   e, m, t = cfg.engine, cfg.model, cfg.train
   documents = carries_documents(cfg)  # the attention's mask is part of the layers' working set
@@ -214,37 +214,14 @@ def compiled_memory(cfg: config_lib.Config, device=None, devices: int = 1
          e.seq_tile, e.moe_impl, t.batch // t.grad_accum, t.seq, devices, device, documents)
   if key in _COMPILED_MEMORY:  # placement does not change the layer executables
     return _COMPILED_MEMORY[key]
-  from mtjax import engine as engine_lib  # noqa: PLC0415 - jax and the layers: loaded when used
-  from mtjax.models.layers import Ctx  # noqa: PLC0415
-  spec = models.spec(m)
-  lays = spec.layouts
-  cd = engine_lib.DTYPES[e.compute_dtype]
-  fns = engine_lib.layer_fns(
-      spec, cd, e.micro_batch, e.loss_chunk,
-      engine_lib.attention_impl(e.attention, device, e.compute_dtype, m, t.seq), 1, e.seq_tile,
-      strided=devices > 1, moe_impl=engine_lib.moe_impl(e.moe_impl, device, m, e.compute_dtype))
-  sh = jax.sharding.SingleDeviceSharding(device)
-  S = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
-  B, T, D = max(1, t.batch // t.grad_accum // devices), t.seq, m.hidden  # one pass's rows
-  x, tok = S((B, T, D), cd), S((B, T), jnp.int32)
-  ctx = Ctx(tok, tok if documents else None)
-  w = {k: S((lay.size,), jnp.float32) for k, lay in lays.items()}
-  table = w["embed"] if m.tie_embeddings else None
-  calls = {
-      "embed forward": (fns.embed_fwd, (w["embed"], tok)),
-      "head": (fns.head_step, (w["head"], table, x, tok, S((B, T), jnp.float32))),
-      "embed backward": (fns.embed_bwd, (tok, x)),
-  }
-  for kind in spec.kinds:
-    _, daux = jax.eval_shape(fns.block_fwd[kind], w[kind], x, ctx)
-    calls[f"{kind} forward"] = (fns.block_fwd[kind], (w[kind], x, ctx))
-    calls[f"{kind} backward"] = (fns.block_bwd[kind], (w[kind], x, ctx, x, daux))
+  from mtjax import programs  # noqa: PLC0415 - jax and the layers: loaded when used
+  # One device's share: the run's programs over the rows it holds, strided as the run splits them.
+  progs = programs.build(models.spec(m), programs.Settings.of(e, m, t.seq, device, 1,
+                                                               strided=devices > 1))
+  rows = max(1, t.batch // t.grad_accum // devices)
   out = {}
-  for name, (fn, args) in calls.items():
-    def with_precision(*a, fn=fn):
-      with jax.default_matmul_precision(e.matmul_precision):
-        return fn(*a)
-    stats = jax.jit(with_precision).lower(*args).compile().memory_analysis()
+  for name, (fn, args) in programs.shaped_calls(progs, rows, t.seq, device, documents).items():
+    stats = fn.lower(*args).compile().memory_analysis()
     out[name] = {"argument": stats.argument_size_in_bytes, "output": stats.output_size_in_bytes,
                  "temp": stats.temp_size_in_bytes, "alias": stats.alias_size_in_bytes}
   _COMPILED_MEMORY[key] = out
