@@ -233,7 +233,7 @@ class Engine:
   """Runs training steps over a LayerStore, streaming one layer at a time through its device.
 
   Args:
-    cfg: a resolved config (no `auto` left: `mtjax.plan.prepare` resolves it).
+    cfg: a resolved config (no `auto` left: `mtjax.launch.plan_run` resolves it).
     store: the training state.
     overlap: False waits for every copy and update as it is issued (the benchmark's ablation).
   """

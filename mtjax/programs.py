@@ -1,7 +1,7 @@
 """The layer programs: the pure functions of each layer kind's flat fp32 weights (`layer_fns`) and
 their jitted programs, built once (`build`): each runs under the engine's matmul precision, and the
 block backward donates its incoming cotangent. The engine runs these programs, and the planner's
-memory probe (mtjax.plan.compiled_memory) compiles the same ones at the run's shapes
+memory probe (mtjax.launch.compiled_memory) compiles the same ones at the run's shapes
 (`shaped_calls`), so what is measured is what runs."""
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import jax
 from tqdm.auto import tqdm
 
 from mtjax import cli, config as config_lib, exits
-from mtjax import checkpoint, data, dpo, export, hf, models, plan as plan_lib, runlog
+from mtjax import checkpoint, data, dpo, export, hf, launch, models, plan as plan_lib, runlog
 from mtjax import store as store_lib
 from mtjax.engine import Engine
 from mtjax.optimizer import HostUpdateError
@@ -263,7 +263,7 @@ def _run(cfg: config_lib.Config, progress: bool, on_plan, json_path: str | None,
     json_path: where the CLI will write the summary (checked up front).
   """
   check_outputs(cfg, json_path)
-  cfg, plan = plan_lib.prepare(cfg)  # refuses a run that cannot fit, before any allocation
+  cfg, plan = launch.plan_run(cfg)  # refuses a run that cannot fit, before any allocation
   if jax.process_count() > 1:  # asked only now: it starts the backend, which prepare sets up
     for key in ("checkpoint_dir", "export_dir"):
       if getattr(cfg.train, key):

@@ -26,7 +26,9 @@ LAYERS = [
     ["mtjax.checkpoint", "mtjax.engine"],
     ["mtjax.cli", "mtjax.runlog", "mtjax.report"],
     ["mtjax.plan"],
-    ["mtjax.train", "mtjax.export", "mtjax"],
+    ["mtjax.launch"],
+    # the commands: `python -m mtjax.plan` plans this machine through launch
+    ["mtjax.train", "mtjax.export", "mtjax.plan.__main__", "mtjax"],
 ]
 
 

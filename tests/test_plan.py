@@ -13,7 +13,8 @@ import jax
 import pytest
 from hypothesis import given, settings, strategies as hst
 
-from mtjax import config, engine, exits, models, plan, store as store_lib, train
+from mtjax import config, engine, exits, launch, models, plan, store as store_lib, train
+from mtjax.plan import __main__ as plan_cli
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 
@@ -48,7 +49,7 @@ def test_shipped_shapes_have_their_nominal_sizes():
 def test_state_figures_equal_the_allocation(placement):
   n_state, n_stream = placement
   over = [f"engine.device_state_layers={n_state}", f"engine.device_update_layers={n_stream}"]
-  cfg, p = plan.prepare(config.load(CONFIGS / "tiny.yaml", over))
+  cfg, p = launch.plan_run(config.load(CONFIGS / "tiny.yaml", over))
   st = store_lib.create(cfg, jax.random.key(0))
   allocated = st.allocated_bytes()  # summed over the buffers the store really holds
   assert p.host["master weights"] + p.host["optimizer state"] == allocated["host"] + allocated["pinned"]
@@ -65,7 +66,7 @@ def test_state_figures_equal_the_allocation(placement):
 
 @pytest.mark.parametrize("name", ["lion", "adafactor"])
 def test_optimizer_state_of_any_optax_rule_is_counted_as_allocated(name):
-  cfg, p = plan.prepare(config.load(CONFIGS / "tiny.yaml", [f"optim.name={name}"]))
+  cfg, p = launch.plan_run(config.load(CONFIGS / "tiny.yaml", [f"optim.name={name}"]))
   st = store_lib.create(cfg, jax.random.key(0))
   allocated = st.allocated_bytes()
   assert p.host["master weights"] + p.host["optimizer state"] == allocated["host"] + allocated["pinned"]
@@ -75,7 +76,7 @@ def test_optimizer_state_of_any_optax_rule_is_counted_as_allocated(name):
 
 def test_device_bytes_of_the_layers_come_from_the_compiled_executables():
   cfg = config.load(CONFIGS / "tiny.yaml", ["engine.device_state_layers=0"])
-  working = plan.compiled_memory(cfg)
+  working = launch.compiled_memory(cfg)
   assert set(working) == {"embed forward", "block forward", "block backward", "head",
                           "embed backward"}
   # The block backward holds at least its activations' cotangents: [B, T, ffn] fp32 a few times.
@@ -85,13 +86,13 @@ def test_device_bytes_of_the_layers_come_from_the_compiled_executables():
   p = plan.make(cfg, working=working)
   assert p.compiled and p.device["layer executables (compiled)"] == max(
       w["temp"] + w["output"] for w in working.values())
-  bigger = plan.compiled_memory(config.load(CONFIGS / "tiny.yaml", ["train.batch=16"]))
+  bigger = launch.compiled_memory(config.load(CONFIGS / "tiny.yaml", ["train.batch=16"]))
   assert bigger["block backward"]["temp"] > working["block backward"]["temp"]
 
 
 def test_a_child_process_compiles_the_same_executables():
   cfg = config.load(CONFIGS / "tiny.yaml", ["engine.device_state_layers=0"])
-  assert plan.probe.compiled_memory_apart(cfg) == plan.compiled_memory(cfg)
+  assert launch.compiled_memory_apart(cfg) == launch.compiled_memory(cfg)
 
 
 def test_the_pinned_pool_is_capped_for_the_plan_of_the_compiled_executables(monkeypatch):
@@ -103,15 +104,15 @@ def test_the_pinned_pool_is_capped_for_the_plan_of_the_compiled_executables(monk
   host = int(125.8 * GiB)
   compiled = {"head": {"argument": 0, "output": 0, "temp": int(8.03 * GiB), "alias": 0}}
   asked = []
-  monkeypatch.setattr(plan.probe, "backend_started", lambda: False)
-  monkeypatch.setattr(plan.probe, "probe_device_memory", lambda: 143771 * 2**20)
-  monkeypatch.setattr(plan.probe, "probe_device_count", lambda: 1)
-  monkeypatch.setattr(plan.probe, "compiled_memory_apart", lambda c, n: asked.append(n) or compiled)
+  monkeypatch.setattr(launch, "backend_started", lambda: False)
+  monkeypatch.setattr(launch, "probe_device_memory", lambda: 143771 * 2**20)
+  monkeypatch.setattr(launch, "probe_device_count", lambda: 1)
+  monkeypatch.setattr(launch, "compiled_memory_apart", lambda c, n: asked.append(n) or compiled)
   monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
   monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
   cfg = config.load(CONFIGS / "qwen2.5_14b.yaml")
   with pytest.raises(plan.PlanError, match="host memory"):  # this CPU then runs it all on the host
-    plan.prepare(cfg, host_limit=host)
+    launch.plan_run(cfg, host_limit=host)
   limit = int(143771 * 2**20 * 0.92)
   one = lambda c: dataclasses.replace(c, engine=dataclasses.replace(c.engine, devices=1))
   estimated, exact = (plan.make(one(cfg), host, limit, plan.Rates(), w) for w in (None, compiled))
@@ -142,17 +143,17 @@ def test_peak_rss_during_init_stays_near_the_state(tmp_path):
   assert grown <= state_bytes + 4 * layer, (grown, state_bytes, layer)
 
 
-def test_train_does_not_start_the_backend_before_prepare_sets_it_up():
+def test_train_does_not_start_the_backend_before_the_launch_sets_it_up():
   # The pinned pool and the GPU memory fraction are read once, when the backend starts: a
   # train-side check that started it first silently left the GPU at XLA's default 75%.
   script = textwrap.dedent("""
-      from mtjax import config, plan, train
+      from mtjax import config, launch, train
       seen = []
-      real = plan.prepare
+      real = launch.plan_run
       def spy(cfg, *a, **k):
-          seen.append(plan.backend_started())
+          seen.append(launch.backend_started())
           return real(cfg, *a, **k)
-      plan.prepare = spy
+      launch.plan_run = spy
       train.run(config.load("configs/tiny.yaml", ["train.steps=1", "train.tensorboard=false",
                                                   "train.run_dir=RUN"]), progress=False)
       print(seen)
@@ -164,12 +165,12 @@ def test_train_does_not_start_the_backend_before_prepare_sets_it_up():
 
 def tmp_path_factory_dir():
   import tempfile
-  return tempfile.mkdtemp(prefix="mtjax-prepare-")
+  return tempfile.mkdtemp(prefix="mtjax-launch-")
 
 
 def test_run_that_cannot_fit_is_refused_before_allocation(monkeypatch):
   cfg = config.load(CONFIGS / "llama_7b.yaml")
-  monkeypatch.setattr(plan.probe, "host_memory_limit", lambda: 64 * 2**30)
+  monkeypatch.setattr(launch, "host_memory_limit", lambda: 64 * 2**30)
   monkeypatch.setattr(store_lib, "create", lambda *a, **k: pytest.fail("allocated before refusing"))
   with pytest.raises(plan.PlanError, match=r"host memory: needs \d+\.\d GiB .* limit 64\.0 GiB"):
     train.run(cfg, progress=False)
@@ -329,7 +330,7 @@ def test_every_shipped_config_plans_for_the_h200_machine_file(tmp_path):
   assert 0 < big.device_state_layers < 50 and big.tiers.count("host") > 0
   # the CLI's --json carries the placement and both predictions
   out = tmp_path / "plan.json"
-  assert plan.main(["--config", str(CONFIGS / "qwen2.5_14b.yaml"), "--machine",
+  assert plan_cli.main(["--config", str(CONFIGS / "qwen2.5_14b.yaml"), "--machine",
                     str(CONFIGS / "machines" / "h200.yaml"), "--json", str(out)]) == 0
   summary = json.loads(out.read_text())
   assert (summary["device_state_layers"], summary["device_update_layers"],
@@ -347,7 +348,7 @@ def test_explicit_counts_win_and_a_bad_machine_file_is_one_line(tmp_path, capsys
   bad = tmp_path / "m.yaml"
   bad.write_text("device_memory_gb: 80\ndevices: 0\nhost_memory_gb: 64\nmatmul_tflops: 1\n"
                  "h2d_gbps: 1\nd2h_gbps: 1\nhost_adamw_gparams: 1\nwarp: 9\n")
-  assert plan.main(["--config", str(CONFIGS / "tiny.yaml"), "--machine", str(bad)]) == 2
+  assert plan_cli.main(["--config", str(CONFIGS / "tiny.yaml"), "--machine", str(bad)]) == 2
   err = capsys.readouterr().err.strip()
   assert "\n" not in err and "unknown keys ['warp']" in err
 
@@ -372,7 +373,7 @@ def test_placement_words_are_auto_or_counts():
     config.load(CONFIGS / "tiny.yaml", ["engine.device_update_layers=most"])
   with pytest.raises(config.ConfigError, match="exceed the 4 layer groups"):
     config.load(CONFIGS / "tiny.yaml", ["engine.device_update_layers=3", "engine.device_state_layers=2"])
-  with pytest.raises(ValueError, match="resolve it with mtjax.plan.prepare"):
+  with pytest.raises(ValueError, match="resolve it with mtjax.launch.plan_run"):
     store_lib.create(config.load(CONFIGS / "tiny.yaml"), jax.random.key(0))
 
 
@@ -466,7 +467,7 @@ def test_bfloat16_moments_let_the_gpt_oss_20b_shape_fit_the_h200_machine(capsys)
     plan.check(fp32)
   args = ["--config", str(CONFIGS / "gpt_oss_20b.yaml"), "--machine",
           str(CONFIGS / "machines" / "h200.yaml"), "optim.state_dtype=float32"]
-  assert plan.main(args) == exits.BAD_INPUT  # does not fit: refused, as train refuses it
+  assert plan_cli.main(args) == exits.BAD_INPUT  # does not fit: refused, as train refuses it
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("refused: does not fit in host memory")
 
@@ -516,10 +517,10 @@ def test_the_plan_costs_the_heads_chunks_and_the_devices_memory_bandwidth():
 
 def test_the_device_memory_bandwidth_is_measured_once_per_device():
   device = jax.devices()[0]
-  plan.probe._HBM_GBPS.pop(device, None)
-  gbps = plan.device_memory_gbps(device, nbytes=4 * 2**20, repeats=3)
+  launch._HBM_GBPS.pop(device, None)
+  gbps = launch.device_memory_gbps(device, nbytes=4 * 2**20, repeats=3)
   assert math.isfinite(gbps) and gbps > 0
-  assert plan.device_memory_gbps(device) == gbps  # cached: prepare asks for it on every plan
+  assert launch.device_memory_gbps(device) == gbps  # cached: plan_run asks for it on every plan
 
 
 def test_the_plan_costs_the_attention_kernel_each_layer_takes():
@@ -676,9 +677,50 @@ def test_plan_refuses_a_run_that_does_not_fit_with_bad_input_as_train_does(tmp_p
   machine.write_text("device_memory_gb: 1\ndevices: 1\nhost_memory_gb: 12\nmatmul_tflops: 100\n"
                      "h2d_gbps: 10\nd2h_gbps: 10\nhost_adamw_gparams: 1\n")
   out = tmp_path / "plan.json"
-  assert plan.main(["--config", str(CONFIGS / "llama_1b.yaml"), "--machine", str(machine),
+  assert plan_cli.main(["--config", str(CONFIGS / "llama_1b.yaml"), "--machine", str(machine),
                     "--json", str(out)]) == exits.BAD_INPUT
   printed = capsys.readouterr()
   assert "(DOES NOT FIT)" in printed.out and not json.loads(out.read_text())["fits"]
   err = printed.err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("refused: does not fit in host memory")
+
+
+PURE_PLAN = """
+import os, subprocess
+from jax._src import xla_bridge
+env = dict(os.environ)
+def refuse(*a, **k):
+  raise AssertionError(f"the planner started a process: {a}")
+subprocess.Popen = refuse
+from mtjax import config, plan
+GiB = 2**30
+p = plan.make(config.load("configs/qwen2.5_14b.yaml"), host_limit=126 * GiB,
+              device_limit=128 * GiB, working={"head": {"temp": GiB, "output": 0}})
+m = plan.Machine.load("configs/machines/h200.yaml").plan(config.load("configs/llama3_8b.yaml"))
+plan.format_plan(p), plan.plan_summary(m)
+assert dict(os.environ) == env, "the planner wrote the environment"
+assert not xla_bridge._backends, "the planner started the jax backend"
+print("pure")
+"""
+
+
+def test_the_planner_takes_the_machines_facts_as_arguments_and_touches_nothing():
+  """mtjax.plan makes, prints and summarises plans (the search, the simulation, a machine file's
+  plan) without writing the environment, starting a process or the jax backend; its modules (the
+  CLI aside, a command) import nothing that could: probing the machine is mtjax.launch's."""
+  out = subprocess.run([sys.executable, "-c", PURE_PLAN], capture_output=True, text=True,
+                       cwd=CONFIGS.parent)
+  assert out.returncode == 0 and out.stdout.strip() == "pure", out.stderr
+  import ast  # noqa: PLC0415
+  for path in sorted((CONFIGS.parent / "mtjax" / "plan").glob("*.py")):
+    if path.name == "__main__.py":
+      continue
+    tree = ast.parse(path.read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    for n in ast.walk(tree):
+      if isinstance(n, ast.ImportFrom) and n.module:
+        imported |= {n.module} | {f"{n.module}.{a.name}" for a in n.names}
+    roots = {name.split(".")[0] for name in imported}
+    assert not roots & {"os", "subprocess", "sys", "jax"} and "mtjax.launch" not in imported, (
+        path.name, sorted(imported))
+    assert not any(isinstance(n, ast.Name) and n.id == "open" for n in ast.walk(tree)), path.name

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import jax
 
-from mtjax import config, engine, plan, programs, store as store_lib
+from mtjax import config, engine, launch, programs, store as store_lib
 
 TINY = Path(__file__).parent.parent / "configs" / "tiny.yaml"
 
@@ -17,11 +17,11 @@ def test_the_memory_probe_compiles_the_engines_own_programs(monkeypatch):
   build = programs.build
   monkeypatch.setattr(programs, "build", lambda *a, **k: built.append(build(*a, **k)) or built[-1])
   # a shape of its own: the probe's answers are cached per shape in the process
-  cfg, _ = plan.prepare(config.load(TINY, ["engine.device_state_layers=0", "train.batch=2",
+  cfg, _ = launch.plan_run(config.load(TINY, ["engine.device_state_layers=0", "train.batch=2",
                                            "train.seq=40"]))
   st = store_lib.create(cfg, jax.random.key(0))
   eng = engine.Engine(cfg, st)
-  working = plan.compiled_memory(cfg)
+  working = launch.compiled_memory(cfg)
   assert len(built) == 2 and built[0] is eng.programs
   ran, probed = built
   assert ran.settings == probed.settings

@@ -33,6 +33,12 @@ RUNTIME_HOST_BYTES_CPU = 1 * GiB
 DEVICE_TIER_HOST_SHARE = 0.11
 
 
+# The share of a GPU's memory XLA's allocator may take (its own default is 75%): the rest holds the
+# CUDA context, cuDNN's workspace and the pinned-pool bookkeeping. A machine file's plan counts it,
+# and mtjax.launch sets it before the backend starts.
+DEVICE_MEMORY_FRACTION = 0.92
+
+
 # XLA's GPU allocator (BFC) hands a request a free chunk of up to twice its size, unsplit, when the
 # rest would be under 128 MiB, and counts the whole chunk in use; the saved block inputs live
 # longest, among short-lived buffers of other sizes. Measured on the H200 (1B and 3.37B at 32k: the

@@ -102,8 +102,8 @@ def make(cfg: config_lib.Config, host_limit: int | None = None, device_limit: in
   else the pair whose simulated step (`simulate`) is the shortest (`_place`).
 
   Args:
-    working: device bytes of the layer executables from `mtjax.plan.compiled_memory`; without
-      it they are estimated by formula (before the backend starts).
+    working: device bytes of the layer programs from XLA's analysis of their compiled code
+      (mtjax.launch.compiled_memory); without it they are estimated by formula.
     opt_bytes: optimizer-state bytes per group kind; default AdamW's 8 B/param.
     pinned_cap: the pinned pool's cap when it is fixed already (the backend has started).
   """
@@ -298,6 +298,11 @@ def refuse_by_size(cfg: config_lib.Config, host_limit: int | None, device_limit:
 def devices_of(cfg: config_lib.Config, available: int | None = None) -> int:
   """The data-parallel device count: `engine.devices`, or all `available` (default 1)."""
   return (available or 1) if cfg.engine.devices == "all" else cfg.engine.devices
+
+
+def with_devices(cfg: config_lib.Config, n: int) -> config_lib.Config:
+  """`cfg` with its data-parallel device count set to `n`."""
+  return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, devices=n))
 
 
 def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, rates: Rates,
@@ -518,7 +523,8 @@ def check(plan: Plan) -> None:
     raise PlanError(
         f"does not fit in the pinned host pool: needs {pinned_pool_bytes(plan.pinned) / GiB:.1f} "
         f"GiB, cap {plan.pinned_cap / GiB:.1f} GiB (set before the backend started); call "
-        f"mtjax.plan.prepare before anything touches jax, or set XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")
+        f"mtjax.launch.plan_run before anything touches jax, or set "
+        f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")
   if not plan.fits_device:
     top = max(plan.device, key=plan.device.get)
     raise PlanError(
