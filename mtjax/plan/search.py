@@ -308,175 +308,306 @@ def with_devices(cfg: config_lib.Config, n: int) -> config_lib.Config:
 def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, rates: Rates,
           working: dict | None, opt_bytes: dict | None, pinned_cap: int | None,
           grad_queue: int, optimistic: bool = True) -> Plan:
-  m, e, t, o = cfg.model, cfg.engine, cfg.train, cfg.optim
-  nd = devices_of(cfg)  # resolved by the caller
-  spec = models.spec(m)
+  """The plan of one placement (`tiers`, a tier per group) at one gradient queue: its host and
+  device bytes, its roofline terms and its simulated step (both host AdamW rates when
+  `optimistic`; only the pessimistic one otherwise, as the search compares those)."""
+  spec = models.spec(cfg.model)
+  groups = _Groups.of(cfg, spec, tiers, opt_bytes)
+  shape = _PassShape.of(cfg)
+  host = _host_bytes(cfg, groups, shape, rates, grad_queue)
+  device = _device_bytes(cfg, groups, shape, rates, working)
+  step = _step_terms(cfg, spec, groups, shape, rates)
+  if not rates.accelerator:  # the CPU backend's "device" memory is host RAM
+    host.items["device memory (CPU backend: host RAM)"] = sum(device.values())
+  fits = ((host_limit is None or sum(host.items.values()) <= host_limit)
+          and (device_limit is None or sum(device.values()) <= device_limit))
+  # the simulation costs O(layers); a plan that does not fit needs none
+  sched, best = (_simulated(cfg, step.layers, tiers, rates, grad_queue, shape, optimistic)
+                 if fits else (math.inf, math.inf))
   pc = spec.counts
-  P, L = pc["total"], m.layers
-  kinds = [k for _, k in spec.groups]
-  sizes = [pc[k] for k in kinds]
-  ob = [(opt_bytes or {}).get(k, o.moment_bytes * pc[k]) for k in kinds]  # optimizer state bytes per group
-  on = lambda tier: [i for i, tr in enumerate(tiers) if tr == tier]
-  host_g, stream_g, dev_g = on("host"), on("stream"), on("device")
-  act = 2 if e.compute_dtype == "bfloat16" else 4
-  tokens = t.batch * t.seq
-  # train.grad_accum: G passes of batch / G sequences each: activations are one pass's, the
-  # weights cross once per pass, and each group's gradient sum is held between passes
-  G = t.grad_accum
-  pass_batch = t.batch // G
-  clip_held = o.clip_norm and (o.clip_mode == "host_buffer" or G > 1)
-  top = lambda group_sizes, k: sum(sorted(group_sizes, reverse=True)[:k])  # the k largest
-  largest_stream = max((sizes[i] for i in stream_g), default=0)
-  largest_stream_opt = max((ob[i] for i in stream_g), default=0)
-  largest_dev = max((sizes[i] + ob[i] // 4 for i in dev_g), default=0)
-  streamed = [sizes[i] for i in host_g + stream_g]
-  saved_input = pass_batch * t.seq * m.hidden * act  # one block's saved input (all devices)
-  K = e.activations_every
-  kept = -(-L // K)  # blocks whose input the forward keeps
-  spilled = e.activations_on_host(L)  # the first kept inputs wait in pinned host memory
-  # Device figures are the busiest device's: the batch splits evenly, device and stream groups
-  # live on home devices round-robin within their tier (mtjax.store.homes), the rest is replicated.
-  busiest = lambda per_group: max(sum(per_group[k::nd]) for k in range(nd)) if per_group else 0
+  return Plan(pc["total"], tuple(tiers), host.items, device, host.pinned, step.terms, host_limit,
+              device_limit, sched, min(sched, best), working is not None, pinned_cap, grad_queue,
+              devices=groups.devices, activations_every=shape.every,
+              activations_on_host=shape.spilled,
+              device_tier_bytes=sum(groups.state(groups.device)), family=cfg.model.family,
+              active_params=pc["active"], grad_accum=shape.passes, link_bytes=step.link_bytes,
+              disk=disk_bytes(cfg, sum(groups.state(range(len(groups.sizes)))),
+                              len(groups.sizes), pc["total"]))
 
-  host = {
-      "master weights": 4 * sum(streamed),
-      "optimizer state": sum(ob[i] for i in host_g + stream_g),
+
+@dataclasses.dataclass(frozen=True)
+class _Groups:
+  """The layer groups as one placement has them: each group's parameters and optimizer-state
+  bytes, and which groups each tier holds (indices in forward order)."""
+  sizes: list[int]  # parameters per group
+  opt: list[int]  # optimizer-state bytes per group
+  host: list[int]
+  stream: list[int]
+  device: list[int]
+  devices: int  # the data-parallel devices
+
+  @classmethod
+  def of(cls, cfg: config_lib.Config, spec: models.ModelSpec, tiers: list[str],
+         opt_bytes: dict | None) -> _Groups:
+    pc = spec.counts
+    kinds = [k for _, k in spec.groups]
+    opt = [(opt_bytes or {}).get(k, cfg.optim.moment_bytes * pc[k]) for k in kinds]
+    on = lambda tier: [i for i, tr in enumerate(tiers) if tr == tier]
+    return cls([pc[k] for k in kinds], opt, on("host"), on("stream"), on("device"),
+               devices_of(cfg))  # the device count is resolved by the caller
+
+  def params(self, idx) -> int:
+    return sum(self.sizes[i] for i in idx)
+
+  def state(self, idx) -> list[int]:
+    """Each group's fp32 weights and optimizer state, in bytes."""
+    return [4 * self.sizes[i] + self.opt[i] for i in idx]
+
+  def busiest(self, per_group: list[int]) -> int:
+    """The busiest device's share: device and stream groups live on home devices round-robin
+    within their tier (mtjax.store.homes)."""
+    n = self.devices
+    return max(sum(per_group[k::n]) for k in range(n)) if per_group else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _PassShape:
+  """One forward/backward pass as the activations and the link see it (train.grad_accum passes of
+  batch / grad_accum sequences: activations are one pass's, the weights cross once per pass, and
+  each group's gradient sum is held between passes)."""
+  passes: int  # train.grad_accum
+  rows: int  # sequences per pass, all devices together
+  act: int  # bytes per activation element
+  saved_input: int  # one block's saved input, all devices together
+  every: int  # every K-th block's input is kept
+  kept: int  # blocks whose input the forward keeps
+  spilled: int  # of those, the first ones waiting in pinned host memory
+  clip_held: bool  # gradients wait for the global norm (host_buffer, or accumulated ones)
+
+  @property
+  def reruns(self) -> float:
+    """A block's forward runs again in the backward: once, or twice in a re-computed segment."""
+    return 1 + (self.every - 1) / self.every
+
+  @classmethod
+  def of(cls, cfg: config_lib.Config) -> _PassShape:
+    e, t, o, L = cfg.engine, cfg.train, cfg.optim, cfg.model.layers
+    act = 2 if e.compute_dtype == "bfloat16" else 4
+    rows = t.batch // t.grad_accum
+    return cls(t.grad_accum, rows, act, rows * t.seq * cfg.model.hidden * act,
+               e.activations_every, -(-L // e.activations_every), e.activations_on_host(L),
+               bool(o.clip_norm and (o.clip_mode == "host_buffer" or t.grad_accum > 1)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _HostBytes:
+  items: dict[str, int]  # bytes by item
+  pinned: int  # of those, the bytes that must be pinned (the XLA pinned pool holds them)
+
+
+def _largest(group_sizes, k: int) -> int:
+  """The sum of the `k` largest."""
+  return sum(sorted(group_sizes, reverse=True)[:k])
+
+
+def _host_bytes(cfg: config_lib.Config, g: _Groups, shape: _PassShape, rates: Rates,
+                grad_queue: int) -> _HostBytes:
+  G, host_g = shape.passes, g.host
+  largest_stream = max((g.sizes[i] for i in g.stream), default=0)
+  largest_stream_opt = max((g.opt[i] for i in g.stream), default=0)
+  largest_dev = max((g.sizes[i] + g.opt[i] // 4 for i in g.device), default=0)
+  items = {
+      "master weights": 4 * g.params(host_g + g.stream),
+      "optimizer state": sum(g.opt[i] for i in host_g + g.stream),
       # at most grad_queue queued, one being applied, one landing
-      "gradients in flight": 4 * top([sizes[i] for i in host_g], grad_queue + 2),
+      "gradients in flight": 4 * _largest([g.sizes[i] for i in host_g], grad_queue + 2),
       # a host group's gradient held until the norm is known, or its sum between passes
       # (accumulation: the held gradient is the sum, so one buffer serves both)
-      "clip gradient buffer": 4 * sum(sizes[i] for i in host_g) if clip_held and G == 1 else 0,
-      "gradient accumulation sums": 4 * sum(sizes[i] for i in host_g) if G > 1 else 0,
-      "stream staging": 2 * (4 * largest_stream + largest_stream_opt) if stream_g else 0,
-      "device-tier staging (sync, checkpoints)": 4 * largest_dev if dev_g else 0,
-      "activations on host": spilled * saved_input,
+      "clip gradient buffer": 4 * g.params(host_g) if shape.clip_held and G == 1 else 0,
+      "gradient accumulation sums": 4 * g.params(host_g) if G > 1 else 0,
+      "stream staging": 2 * (4 * largest_stream + largest_stream_opt) if g.stream else 0,
+      "device-tier staging (sync, checkpoints)": 4 * largest_dev if g.device else 0,
+      "activations on host": shape.spilled * shape.saved_input,
       "import / export staging (start / end)": hf_staging_bytes(cfg),
       "runtime": RUNTIME_HOST_BYTES if rates.accelerator else RUNTIME_HOST_BYTES_CPU,
       "device-tier host allowance (measured)": int(DEVICE_TIER_HOST_SHARE * sum(
-          4 * sizes[i] + ob[i] for i in dev_g)) if rates.accelerator else 0,
+          g.state(g.device))) if rates.accelerator else 0,
   }
-  pinned = (host["master weights"] + sum(ob[i] for i in stream_g) + host["gradients in flight"]
-            + host["clip gradient buffer"] + host["gradient accumulation sums"]
-            + host["stream staging"]
-            + host["device-tier staging (sync, checkpoints)"] + host["activations on host"])
-  host["pinned pool headroom"] = pinned_pool_bytes(pinned) - pinned if rates.accelerator else 0
+  pinned = (items["master weights"] + sum(g.opt[i] for i in g.stream)
+            + sum(items[k] for k in ("gradients in flight", "clip gradient buffer",
+                                     "gradient accumulation sums", "stream staging",
+                                     "device-tier staging (sync, checkpoints)",
+                                     "activations on host")))
+  items["pinned pool headroom"] = pinned_pool_bytes(pinned) - pinned if rates.accelerator else 0
+  return _HostBytes(items, pinned)
 
+
+def _device_bytes(cfg: config_lib.Config, g: _Groups, shape: _PassShape, rates: Rates,
+                  working: dict | None) -> dict[str, int]:
+  """The busiest device's bytes by item: the batch splits evenly, device and stream groups live
+  on their home devices, the rest is replicated."""
+  e, nd, K = cfg.engine, g.devices, shape.every
+  held = shape.kept - shape.spilled  # kept inputs in device memory
+  on_device = g.stream + g.device
   device = {
-      "weights and optimizer state (device tier)": busiest([4 * sizes[i] + ob[i] for i in dev_g]),
-      "resident weights (stream tier)": busiest([4 * sizes[i] for i in stream_g]),
-      "optimizer state in flight (stream tier)": 2 * 2 * largest_stream_opt,
-      "streamed weights": 4 * top(streamed, e.inflight_layers + 1),
-      "gradients": 4 * top(sizes, 2),
+      "weights and optimizer state (device tier)": g.busiest(g.state(g.device)),
+      "resident weights (stream tier)": g.busiest([4 * g.sizes[i] for i in g.stream]),
+      "optimizer state in flight (stream tier)": 2 * 2 * max((g.opt[i] for i in g.stream),
+                                                             default=0),
+      "streamed weights": 4 * _largest([g.sizes[i] for i in g.host + g.stream],
+                                       e.inflight_layers + 1),
+      "gradients": 4 * _largest(g.sizes, 2),
       # kept inputs in device memory (and two in flight from the host when some are spilled),
       # and with K > 1 one segment's re-computed inputs plus the block's own at the turn between
       # two segments
-      "saved activations": ((kept - spilled + (2 if spilled else 0))
-                            + (K + 1 if K > 1 else 0)) * saved_input // nd,
+      "saved activations": ((held + (2 if shape.spilled else 0))
+                            + (K + 1 if K > 1 else 0)) * shape.saved_input // nd,
       # (accelerators only) the allocator's rounding of the saved inputs in device memory
-      "allocator rounding (measured)": int(SAVED_INPUT_ROUNDING * min(saved_input // nd, 128 * 2**20)
-                                           * (kept - spilled)) if rates.accelerator else 0,
+      "allocator rounding (measured)": int(SAVED_INPUT_ROUNDING * min(
+          shape.saved_input // nd, 128 * 2**20) * held) if rates.accelerator else 0,
       # clip_mode=host_buffer: stream and device groups' gradients (and stream groups' prefetched
       # state) wait on the device until the global norm is known
-      "clip-held gradients": (sum(4 * sizes[i] for i in stream_g + dev_g) * (G == 1)
-                              + busiest([ob[i] for i in stream_g]) if clip_held else 0),
+      "clip-held gradients": (4 * g.params(on_device) * (shape.passes == 1)
+                              + g.busiest([g.opt[i] for i in g.stream])
+                              if shape.clip_held else 0),
       # grad_accum > 1: stream and device groups' gradient sums between passes (and held for
       # the clip)
-      "gradient accumulation sums": sum(4 * sizes[i] for i in stream_g + dev_g) if G > 1 else 0,
+      "gradient accumulation sums": 4 * g.params(on_device) if shape.passes > 1 else 0,
   }
   if working is not None:
-    # The largest executable's temporaries and outputs (its arguments are the items above).
+    # The largest program's temporaries and outputs (its arguments are the items above).
     device["layer executables (compiled)"] = max(w["temp"] + w["output"] for w in working.values())
   else:
-    mb = e.micro_batch or max(1, pass_batch // nd)
-    D, F, V = m.hidden, m.ffn, m.vocab_size
-    if m.moe is not None:  # a token's experts' inner width, and its sorted copies
-      F = max(F, m.moe.experts_per_token * (m.moe.expert_ffn + 2 * D) + m.moe.shared_width)
-    H = m.heads
-    # One block's backward over one micro-batch: its forward re-run under vjp keeps about a dozen
-    # [mb, T, D]-sized and three [mb, T, F]-sized intermediates, and as many cotangents; tiled
-    # over the sequence (engine.seq_tile), about eight [mb, T, D] (input, q, k, v, attention
-    # output, residuals) and one tile's share of the rest.
-    tile = min(e.seq_tile or t.seq, t.seq)
-    layer_acts = 2 * mb * act * (t.seq * (12 * D + 3 * F) if tile == t.seq
-                                 else t.seq * 8 * D + tile * (4 * D + 3 * F))
-    attn = (mb * H * t.seq * 4 * 2 if e.attention != "xla" and e.compute_dtype == "bfloat16"
-            else 3 * mb * H * t.seq * t.seq * 4)  # flash: row stats; XLA: scores, probs, their grad
-    if "cudnn-mask" in attention_kernels(cfg, rates):  # the documents' mask and its bf16 bias
-      attn += 3 * mb * t.seq * t.seq
-    chunk = min(e.loss_chunk, pass_batch * t.seq)
-    device["layer working set (estimated)"] = max(layer_acts + attn + 3 * pass_batch * t.seq * D * act,
-                                                  chunk * V * (4 + 4 + act) + 8 * D * V)
+    device["layer working set (estimated)"] = _working_set(cfg, shape, rates, nd)
+  return device
 
-  D, V = m.hidden, m.vocab_size
-  rerun = 1 + (K - 1) / K  # a block's forward runs again in the backward: once, or twice in a segment
+
+def _working_set(cfg: config_lib.Config, shape: _PassShape, rates: Rates, nd: int) -> int:
+  """The layer programs' largest working set by formula, where XLA's analysis of them is not at
+  hand: one block's backward, or the LM head's loss chunk."""
+  m, e, t, act = cfg.model, cfg.engine, cfg.train, shape.act
+  mb = e.micro_batch or max(1, shape.rows // nd)
+  D, F, V, H = m.hidden, m.ffn, m.vocab_size, m.heads
+  if m.moe is not None:  # a token's experts' inner width, and its sorted copies
+    F = max(F, m.moe.experts_per_token * (m.moe.expert_ffn + 2 * D) + m.moe.shared_width)
+  # One block's backward over one micro-batch: its forward re-run under vjp keeps about a dozen
+  # [mb, T, D]-sized and three [mb, T, F]-sized intermediates, and as many cotangents; tiled over
+  # the sequence (engine.seq_tile), about eight [mb, T, D] (input, q, k, v, attention output,
+  # residuals) and one tile's share of the rest.
+  tile = min(e.seq_tile or t.seq, t.seq)
+  layer_acts = 2 * mb * act * (t.seq * (12 * D + 3 * F) if tile == t.seq
+                               else t.seq * 8 * D + tile * (4 * D + 3 * F))
+  attn = (mb * H * t.seq * 4 * 2 if e.attention != "xla" and e.compute_dtype == "bfloat16"
+          else 3 * mb * H * t.seq * t.seq * 4)  # flash: row stats; XLA: scores, probs, their grad
+  if "cudnn-mask" in attention_kernels(cfg, rates):  # the documents' mask and its bf16 bias
+    attn += 3 * mb * t.seq * t.seq
+  chunk = min(e.loss_chunk, shape.rows * t.seq)
+  return max(layer_acts + attn + 3 * shape.rows * t.seq * D * act,
+             chunk * V * (4 + 4 + act) + 8 * D * V)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Compute:
+  """The device's work in a step."""
+  seconds: float  # the whole step's, every pass's
+  block_fwd_s: list[float]  # each block's forward in one pass
+  head_s: float  # the LM head's loss step in one pass (forward and backward)
+
+
+def _compute(cfg: config_lib.Config, spec: models.ModelSpec, g: _Groups, shape: _PassShape,
+             rates: Rates) -> _Compute:
+  """Matmuls and attention at the machine's rates, the memory-bound head and device updates."""
+  m, e, t = cfg.model, cfg.engine, cfg.train
+  L, D, V, nd, G = m.layers, m.hidden, m.vocab_size, g.devices, shape.passes
+  tokens = t.batch * t.seq
   N, dqk, dv = spec.attention_widths
   # Each layer's attention kernel (as the engine picks it) and its rate on the causal pairs.
-  kernels = attention_kernels(cfg, rates)
   if rates.accelerator:
-    attn_rate = [rates.attention_tflops * kernel_efficiency(k, dqk) for k in kernels]
+    attn_rate = [rates.attention_tflops * kernel_efficiency(k, dqk)
+                 for k in attention_kernels(cfg, rates)]
     causal_pairs = True
   else:  # the CPU backend: XLA's scores whole, plain matmuls at the matmul rate
     attn_rate, causal_pairs = [rates.matmul_tflops] * L, False
   seconds = lambda matmul, attn: (matmul / rates.matmul_tflops + attn) / (nd * 1e12)
   # each block's matrix parameters a token uses, and its attention in the forward: FLOPs / rate
+  kinds = [k for _, k in spec.groups]
   block_matmul = [spec.matmul_params(kinds[i + 1]) for i in range(L)]
   attn_fwd = [2 * N * (dqk + dv) * spec.attention_pairs(i, t.batch, t.seq, causal_pairs)
               / attn_rate[i] for i in range(L)]
-  # forward, its re-runs, backward (2x the forward): matmuls and causal attention
   # the LM head: forward and backward; a pair objective (dpo) runs its forward once more first
   head_flops = (8 if t.objective == "dpo" else 6) * D * V * tokens
   # its memory traffic: the logits' passes, and each chunk's pass over the head's weights (every
   # device holds them whole)
-  chunks = G * -(-pass_batch * t.seq // min(e.loss_chunk, pass_batch * t.seq))
+  chunks = G * -(-shape.rows * t.seq // min(e.loss_chunk, shape.rows * t.seq))
   head_mem_s = (HEAD_LOGIT_BYTES * V * tokens / nd + HEAD_CHUNK_BYTES * V * D * chunks) / (
       rates.hbm_gbps * 1e9)
-  compute_s = (seconds((6 + 2 * rerun) * sum(block_matmul) * tokens + head_flops,
-                       (3 + rerun) * sum(attn_fwd)) + head_mem_s
-               + DEVICE_UPDATE_BYTES * sum(sizes[i] for i in stream_g + dev_g) / (rates.hbm_gbps * 1e9))
-  saved_link = spilled * saved_input
-  # Host groups' weights cross twice (forward, backward; the embedding's backward needs none),
-  # stream groups' optimizer state crosses both ways, device groups cross nothing. With G passes
-  # the weights and the saved inputs cross G times, a host group's gradient comes out G times and
-  # its sum goes in G - 1 times.
-  twice = lambda i: 1 + rerun if 0 < i <= L else 1  # blocks' re-runs fetch their weights again
-  h2d = (G * (sum(4 * sizes[i] * twice(i) for i in host_g) + saved_link)
-         + (G - 1) * 4 * sum(sizes[i] for i in host_g) + sum(ob[i] for i in stream_g))
-  d2h = G * (4 * sum(sizes[i] for i in host_g) + saved_link) + sum(ob[i] for i in stream_g)
-  host_updated = sum(sizes[i] for i in host_g)
-  step_s = {
-      "compute": compute_s,
-      "host->device": h2d / (rates.h2d_gbps * 1e9),
-      "device->host": d2h / (rates.d2h_gbps * 1e9),
-      "host optimizer": host_updated / (rates.host_adamw_gparams * 1e9),
-  }
+  # forward, its re-runs, backward (2x the forward): matmuls and causal attention
+  rerun = shape.reruns
+  total = (seconds((6 + 2 * rerun) * sum(block_matmul) * tokens + head_flops,
+                   (3 + rerun) * sum(attn_fwd)) + head_mem_s
+           + DEVICE_UPDATE_BYTES * g.params(g.stream + g.device) / (rates.hbm_gbps * 1e9))
   # the schedule's layers are one pass's (simulate runs G of them per step)
   block_fwd = [seconds(2 * block_matmul[i] * tokens, attn_fwd[i]) / G for i in range(L)]
-  layers = [Layer(sizes[0], 0.0, 0.0, 0)]
+  return _Compute(total, block_fwd, (seconds(head_flops, 0) + head_mem_s) / G)
+
+
+def _link_bytes(g: _Groups, shape: _PassShape) -> tuple[int, int]:
+  """(host->device, device->host) bytes of a step. Host groups' weights cross twice (forward,
+  backward; the embedding's backward needs none), stream groups' optimizer state crosses both
+  ways, device groups cross nothing. With G passes the weights and the saved inputs cross G
+  times, a host group's gradient comes out G times and its sum goes in G - 1 times."""
+  G, blocks = shape.passes, len(g.sizes) - 2
+  saved = shape.spilled * shape.saved_input
+  # blocks' re-runs fetch their weights again
+  fetches = lambda i: 1 + shape.reruns if 0 < i <= blocks else 1
+  stream_opt = sum(g.opt[i] for i in g.stream)
+  h2d = (G * (sum(4 * g.sizes[i] * fetches(i) for i in g.host) + saved)
+         + (G - 1) * 4 * g.params(g.host) + stream_opt)
+  d2h = G * (4 * g.params(g.host) + saved) + stream_opt
+  return h2d, d2h
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+  terms: dict[str, float]  # the roofline's lower-bound terms, seconds
+  layers: list[Layer]  # one pass's groups as the schedule simulates them
+  link_bytes: int  # bytes that cross between host and device in a step, both ways
+
+
+def _step_terms(cfg: config_lib.Config, spec: models.ModelSpec, g: _Groups, shape: _PassShape,
+                rates: Rates) -> _Step:
+  """The step's roofline terms, and the layers the schedule simulates."""
+  work = _compute(cfg, spec, g, shape, rates)
+  h2d, d2h = _link_bytes(g, shape)
+  terms = {
+      "compute": work.seconds,
+      "host->device": h2d / (rates.h2d_gbps * 1e9),
+      "device->host": d2h / (rates.d2h_gbps * 1e9),
+      "host optimizer": g.params(g.host) / (rates.host_adamw_gparams * 1e9),
+  }
+  K = shape.every
+  layers = [Layer(g.sizes[0], 0.0, 0.0, 0)]
   # A block whose input was not kept has its forward re-run in the backward: (K-1)/K of them.
-  layers += [Layer(sizes[i + 1], block_fwd[i], (2 + rerun) * block_fwd[i],
-                   saved_input if i % K == 0 and i // K < spilled else 0) for i in range(L)]
-  head_s = (seconds(head_flops, 0) + head_mem_s) / G
-  layers += [Layer(sizes[-1], head_s, 0.0, 0)]
-  if not rates.accelerator:  # the CPU backend's "device" memory is host RAM
-    host["device memory (CPU backend: host RAM)"] = sum(device.values())
-  fits = ((host_limit is None or sum(host.values()) <= host_limit)
-          and (device_limit is None or sum(device.values()) <= device_limit))
-  if fits:  # the simulation costs O(layers); a plan that does not fit needs none
-    clip = ("host_buffer" if clip_held else o.clip_mode) if o.clip_norm else None
-    sched = simulate(layers, tiers, rates, e.inflight_layers, grad_queue, clip=clip, passes=G,
-                     moment_bytes=o.moment_bytes)
-    best = dataclasses.replace(rates,
-                               host_adamw_in_step_gparams=rates.host_adamw_in_step_best_gparams)
-    sched_best = (simulate(layers, tiers, best, e.inflight_layers, grad_queue, clip=clip,
-                           passes=G, moment_bytes=o.moment_bytes) if optimistic else sched)
-  else:
-    sched = sched_best = math.inf
-  return Plan(P, tuple(tiers), host, device, pinned, step_s, host_limit, device_limit, sched,
-              min(sched, sched_best), working is not None, pinned_cap, grad_queue, devices=nd,
-              activations_every=K, activations_on_host=spilled,
-              device_tier_bytes=sum(4 * sizes[i] + ob[i] for i in dev_g), family=m.family,
-              active_params=pc["active"], grad_accum=G, link_bytes=h2d + d2h,
-              disk=disk_bytes(cfg, sum(4 * n for n in sizes) + sum(ob), len(sizes), P))
+  layers += [Layer(g.sizes[i + 1], fwd, (2 + shape.reruns) * fwd,
+                   shape.saved_input if i % K == 0 and i // K < shape.spilled else 0)
+             for i, fwd in enumerate(work.block_fwd_s)]
+  layers += [Layer(g.sizes[-1], work.head_s, 0.0, 0)]
+  return _Step(terms, layers, h2d + d2h)
+
+
+def _simulated(cfg: config_lib.Config, layers: list[Layer], tiers: list[str], rates: Rates,
+               grad_queue: int, shape: _PassShape, optimistic: bool) -> tuple[float, float]:
+  """The engine's schedule simulated: (at the in-step host AdamW rate, at the best one measured;
+  the first twice unless `optimistic`)."""
+  e, o = cfg.engine, cfg.optim
+  clip = ("host_buffer" if shape.clip_held else o.clip_mode) if o.clip_norm else None
+  run = lambda r: simulate(layers, tiers, r, e.inflight_layers, grad_queue, clip=clip,
+                           passes=shape.passes, moment_bytes=o.moment_bytes)
+  sched = run(rates)
+  if not optimistic:
+    return sched, sched
+  return sched, run(dataclasses.replace(
+      rates, host_adamw_in_step_gparams=rates.host_adamw_in_step_best_gparams))
 
 
 CHECKPOINT_FILE_BYTES = 64 * 2**10  # orbax's metadata files per layer group (a bound; ~20 KiB seen)
