@@ -207,9 +207,8 @@ def device_capability(device: jax.Device) -> float:
 def moe_impl(choice: str, device: jax.Device, cfg: ModelConfig | None = None,
              compute_dtype: str = "bfloat16") -> str:
   """`auto`: on a Hopper GPU in bf16, the Mosaic-GPU grouped matmul where its tiles divide the
-  experts' widths (XLA lowers jax.lax.ragged_dot on the GPU by expanding the rows E times: 0.036 of
-  a dense matmul measured at the GPT-OSS-20B shape, benchmarks/results/moe-kernels/); elsewhere
-  jax.lax.ragged_dot."""
+  experts' widths (XLA lowers jax.lax.ragged_dot on the GPU by expanding the rows E times, a small
+  share of a dense matmul's rate: docs/performance.md); elsewhere jax.lax.ragged_dot."""
   if choice != "auto":
     return choice
   m = None if cfg is None else cfg.moe

@@ -724,3 +724,22 @@ def test_the_planner_takes_the_machines_facts_as_arguments_and_touches_nothing()
     assert not roots & {"os", "subprocess", "sys", "jax"} and "mtjax.launch" not in imported, (
         path.name, sorted(imported))
     assert not any(isinstance(n, ast.Name) and n.id == "open" for n in ast.walk(tree)), path.name
+
+
+def test_the_planners_measured_constants_are_the_ones_docs_performance_shows():
+  """The figures behind the planner's constants live in docs/performance.md; every constant its
+  table names exists, and the attention kernels' shares there are the code's."""
+  import re  # noqa: PLC0415
+  from mtjax.plan import memory, schedule, search  # noqa: PLC0415
+  text = (CONFIGS.parent / "docs" / "performance.md").read_text()
+  section = text.split("## The planner's constants\n")[1].split("\n## ")[0]
+  names = re.findall(r"^\| `([A-Z_]+|Rates\.\w+)`", section, re.M)
+  assert len(names) >= 8
+  for name in names:
+    owner, _, attr = name.rpartition(".")
+    assert any(hasattr(schedule.Rates if owner else mod, attr or name)
+               for mod in (memory, schedule, search)), name
+  shares = dict(re.findall(r"\(`(\w+_SHARE)`\) \| ([0-9.]+) \|", section))
+  assert shares == {"WIDE_SHARE": str(search.WIDE_SHARE), "MASK_SHARE": f"{search.MASK_SHARE:.2f}"}
+  assert f"width / {search.BLOCKWISE_WIDTH}, at most {search.BLOCKWISE_MAX_SHARE}" in section
+  assert f"width / {search.XLA_WIDTH}" in section

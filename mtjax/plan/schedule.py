@@ -1,6 +1,7 @@
 """The step's time: parameter and FLOP counts, machine rates, and a simulation of the engine's
 schedule over its four lanes (host->device copies, device compute, device->host copies, the host
-optimizer)."""
+optimizer). The measured figures behind the constants: docs/performance.md, the planner's
+constants."""
 
 from __future__ import annotations
 
@@ -73,12 +74,11 @@ DEVICE_UPDATE_BYTES = 28
 
 # The LM head's loss step moves each chunk's fp32 logits through device memory about six times
 # (written, max and logsumexp, softmax, its gradient written, read by two matmuls): bytes per
-# (token, vocabulary entry), beside its matmuls; a 128k vocabulary makes this 10-30% of the head.
+# (token, vocabulary entry), beside its matmuls; at a large vocabulary a real share of the head.
 HEAD_LOGIT_BYTES = 24
 # Each chunk of the loss step also reads the head's fp32 weights and writes them as bf16 (6 bytes)
 # and adds its fp32 gradient into the step's sum (12): bytes per (vocabulary entry, hidden unit)
-# per chunk. Measured on an H100 at the 1B shape (benchmarks/bench.py, engine.loss_chunk 1024
-# beside 4096, six more chunks): +8.1 ms at a 128k vocabulary, +2.0 ms at 32k, 15-17 bytes.
+# per chunk; measured on an H100 at the 1B shape, engine.loss_chunk 1024 beside 4096.
 HEAD_CHUNK_BYTES = 16
 
 
@@ -86,22 +86,19 @@ HEAD_CHUNK_BYTES = 16
 class Rates:
   """Machine rates for the step-time prediction (defaults: the lent H200 box, measured)."""
   matmul_tflops: float = 600.0  # bf16 dense matmul through jax.jit
-  # cuDNN's fused causal attention, forward and backward, bf16, head_dim 128: 465-476 TFLOP/s
-  # measured on the H200 at 128k-512k tokens (benchmarks/results/h200/context)
+  # cuDNN's fused causal attention, forward and backward, bf16, head_dim 128, at long context
   attention_tflops: float = 470.0
   h2d_gbps: float = 53.0  # pinned host -> device
   d2h_gbps: float = 53.0  # device -> pinned host
-  # The fused in-place AdamW alone, 16 cores (4.4-5.6 Gparam/s measured): the roofline's figure.
+  # The fused in-place AdamW alone on 16 cores: the roofline's figure.
   host_adamw_gparams: float = 4.4
   # The same loop inside a training step, beside the device's compute and copies: fitted to the
-  # host path (every group's state on the host) on the H200 boxes lent now, the 3.37B shape at
-  # 8 x 2048 (1.269 s) and the 8B (3.090 s); with it the schedule predicts both within 1%. Another
-  # box ran it at 4.2 (benchmarks/results/h200/bench-b8/all_systems_b8.log): the schedule's
-  # optimistic end.
+  # host path (every group's state on the host) on the H200 boxes; the best another box ran is
+  # the schedule's optimistic end.
   host_adamw_in_step_gparams: float = 3.4
   host_adamw_in_step_best_gparams: float = 4.2
-  # The device's memory bandwidth (a large device-to-device copy, bytes read and written: 4.3 TB/s
-  # on the H200): an update on the device and the LM head's softmax are bound by it.
+  # The device's memory bandwidth (a large device-to-device copy, bytes read and written): an
+  # update on the device and the LM head's softmax are bound by it.
   hbm_gbps: float = 4300.0
   accelerator: bool = True  # False: the CPU backend runs the layers (no CUDA runtime, no pinned pool)
   compute_capability: float = 9.0  # the GPU's (Hopper: 9.0): which attention kernels apply

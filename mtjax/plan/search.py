@@ -191,10 +191,9 @@ def _saved_inputs(cfg: config_lib.Config, make_plan) -> Plan:
 
 
 # A placement the planner chooses leaves this share of each memory spare: its estimates of the
-# device's (XLA's allocator) and the host's (the runtime) peaks err by a few percent. On the H200
-# the device peaks of the default configs came 0.8-4.8 GiB under their plans (3.37B to 14.77B);
-# the one run over its plan (every group on the host: 8.6 GiB, plan 7.5) was over by 0.9% of the
-# limit. At 5% the 14.77B shape held one group fewer in device memory and ran 3.4% slower.
+# device's (XLA's allocator) and the host's (the runtime) peaks err by a few percent; a wider
+# margin keeps groups out of device memory that fit there (docs/performance.md, the planner's
+# constants).
 DEVICE_SPARE, HOST_SPARE = 0.04, 0.03
 
 
@@ -610,7 +609,7 @@ def _simulated(cfg: config_lib.Config, layers: list[Layer], tiers: list[str], ra
       rates, host_adamw_in_step_gparams=rates.host_adamw_in_step_best_gparams))
 
 
-CHECKPOINT_FILE_BYTES = 64 * 2**10  # orbax's metadata files per layer group (a bound; ~20 KiB seen)
+CHECKPOINT_FILE_BYTES = 64 * 2**10  # orbax's metadata files per layer group (a bound)
 EXPORT_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -667,19 +666,11 @@ def check(plan: Plan) -> None:
 
 
 # Each attention kernel's rate, forward and backward, as a share of cuDNN's fused kernel on plain
-# causal rows of 128-wide heads (rates.attention_tflops), from one H100 at 8 x 2048 tokens, 32
-# heads of 128, every kernel side by side (benchmarks/attention_kernels.py; the rows in
-# benchmarks/results/h100/attention/attention.json):
-# - cuDNN at 16 heads of 256 (the same FLOPs): 3.41 ms, 0.86;
-# - cuDNN with packed documents as a mask computes every causal pair and reads the mask's bias:
-#   2.93 -> 4.89 ms, 0.60;
-# - the blockwise kernel: 15.70 ms, 0.19 (16 heads of 256: 0.24);
-# - XLA's scores-whole attention is bound by its [B, N, T, T] fp32 scores' traffic, 32.6 ps a
-#   score at widths 128 and 256 (35.05 and 16.58 ms), a share of width / 1530.
-# Below 128 the kernels cost about as much per score as at 128 (softmax, not matmuls), so their
-# share on FLOPs falls with the width: cuDNN with a mask at 64 wide, 8 x 1024, 0.32 (0.60 x 64/128
-# = 0.30); the blockwise kernel there 0.079 (width / 700 = 0.091). Not modelled: a sliding window
-# costs cuDNN 1.6x its pairs' share (gemma3-window).
+# causal rows of 128-wide heads (rates.attention_tflops), fitted to every kernel timed side by side
+# on one H100 (benchmarks/attention_kernels.py; the rows and the shares: docs/performance.md, the
+# planner's constants). Below 128 the kernels cost about as much per score as at 128 (softmax, not
+# matmuls), so their share on FLOPs falls with the width; XLA's scores-whole attention is bound by
+# its [B, N, T, T] fp32 scores' traffic. Not modelled: a sliding window.
 MASK_SHARE = 0.60
 WIDE_SHARE = 0.86  # cuDNN's share at heads wider than 128 (256)
 BLOCKWISE_WIDTH = 700  # the blockwise kernel's share: width / 700, at most BLOCKWISE_MAX_SHARE
@@ -688,7 +679,7 @@ XLA_WIDTH = 1530  # XLA's share: width / 1530
 
 
 def kernel_efficiency(kernel: str, head_width: int) -> float:
-  """The kernel's share of the fused rate on the causal pairs (the figures above)."""
+  """The kernel's share of the fused rate on the causal pairs (the shares above)."""
   fused = min(1.0, head_width / 128) if head_width <= 128 else WIDE_SHARE
   return {"cudnn": fused, "cudnn-mask": MASK_SHARE * fused,
           "blockwise": min(BLOCKWISE_MAX_SHARE, head_width / BLOCKWISE_WIDTH),
