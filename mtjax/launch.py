@@ -136,7 +136,7 @@ def _started_facts(cfg: config_lib.Config, device, n_all: int, early: _Early | N
   return _Facts(device_memory_limit(device), rates, working, opt_bytes, pinned_cap)
 
 
-# ---- probes: what the machine says before the backend starts ---------------------------------------
+# ---- probes: what the machine says before the backend starts -----------------------------------
 
 def host_memory_limit() -> int:
   """The memory this process may use: the cgroup limit where one applies, else physical RAM."""
@@ -156,8 +156,9 @@ def probe_device_memory() -> int | None:
   if os.environ.get("JAX_PLATFORMS", "").strip() == "cpu":
     return None
   try:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=20)
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total",
+                          "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                         timeout=20)
   except (OSError, subprocess.SubprocessError):
     return None
   first = out.stdout.strip().splitlines()[:1]
@@ -184,7 +185,7 @@ def backend_started() -> bool:
   return bool(getattr(xla_bridge, "_backends", None))
 
 
-# ---- what the backend reads once, when it starts -----------------------------------------------------
+# ---- what the backend reads once, when it starts -----------------------------------------------
 
 def set_device_memory_share(total: int, want_gb: float | None = None) -> int:
   """Sets the share of the GPU's `total` bytes XLA's allocator may take: `want_gb`

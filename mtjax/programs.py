@@ -253,7 +253,7 @@ class Programs:
   embed_fwd: Callable
   embed_bwd: Callable
   block_fwd: dict  # kind -> program
-  block_bwd: dict  # kind -> program; the incoming cotangent dies here: its buffer becomes the outgoing one
+  block_bwd: dict  # kind -> program; the incoming cotangent's buffer becomes the outgoing one
   block_bwd_keep: dict  # kind -> the same, nothing donated (clip_mode=recompute's norm-only pass)
   head_step: Callable
   head_logps: Callable

@@ -1,4 +1,4 @@
-"""The layer programs: built once, run by the engine, and compiled as they are by the memory probe."""
+"""The layer programs: built once, run by the engine, compiled as they are by the memory probe."""
 
 from pathlib import Path
 
