@@ -37,10 +37,11 @@ if __package__ in (None, ""):  # run as a script: the repository root holds mtja
   sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mtjax import config as config_lib  # noqa: E402
-from mtjax import cli, data, models, plan as plan_lib, store as store_lib  # noqa: E402
+from mtjax import cli, data, launch, models, plan as plan_lib, store as store_lib  # noqa: E402
 from mtjax.layout import Layout  # noqa: E402
 from mtjax.models.layers import token_nll  # noqa: E402
-from mtjax.engine import DTYPES, Engine, attention_impl  # noqa: E402
+from mtjax.engine import Engine  # noqa: E402
+from mtjax.programs import DTYPES, attention_impl  # noqa: E402
 from mtjax.optimizer import HostOptimizer, UpdateRule, schedule  # noqa: E402
 from mtjax.train import device_peak_bytes  # noqa: E402
 
@@ -459,16 +460,16 @@ def main(argv=None):
                                                     for k, c in variants.items()}
   # Every variant is planned once; the first plan sets the pinned pool before the backend starts,
   # so it is made for the variant that pins the most.
-  pinned = max(plan_lib.make(c, plan_lib.host_memory_limit()).pinned
+  pinned = max(plan_lib.make(c, launch.host_memory_limit()).pinned
                for c in [cfg, *variants.values()])
   # The link probe pins two buffers of its own beside what the runs pin.
   os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB",
                         str(plan_lib.pinned_pool_bytes(pinned + 2 * LINK_BYTES) // GiB))
   first = max([cfg, *variants.values()], key=lambda c: plan_lib.make(
-      c, plan_lib.host_memory_limit()).pinned)
-  plan_lib.prepare(first)
-  prepared = {None: plan_lib.prepare(cfg)}
-  prepared.update({k: plan_lib.prepare(c) for k, c in variants.items()})
+      c, launch.host_memory_limit()).pinned)
+  launch.plan_run(first)
+  prepared = {None: launch.plan_run(cfg)}
+  prepared.update({k: launch.plan_run(c) for k, c in variants.items()})
   resolved = {k: c for k, (c, _) in prepared.items()}
   plans = {k: p for k, (_, p) in prepared.items()}
   if variants:

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from mtjax import config, data, engine, plan, store  # noqa: E402
+from mtjax import config, data, engine, launch, store  # noqa: E402
 from mtjax.layout import Layout  # noqa: E402
 
 BASE = {
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--smoke", action="store_true", help="a reduced check on the CPU, in seconds")
   args = p.parse_args(argv)
-  plan.prepare(with_engine())  # before the backend starts: the pinned pool, the device share
+  launch.plan_run(with_engine())  # before the backend starts: the pinned pool, the device share
   import jax  # noqa: PLC0415
   if args.smoke:
     jax.config.update("jax_platforms", "cpu")

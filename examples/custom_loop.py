@@ -4,7 +4,7 @@ python examples/custom_loop.py            (tiny shapes, CPU is fine)
 """
 import numpy as np
 
-from mtjax import config, data, engine, plan, store
+from mtjax import config, data, engine, launch, store
 
 cfg = config.from_dict({
     "model": {"vocab_size": 128, "hidden": 64, "layers": 3, "heads": 4, "kv_heads": 2, "ffn": 160},
@@ -14,8 +14,8 @@ cfg = config.from_dict({
 })
 # Before anything touches jax: plan the run (caps the pinned host pool, sets the device memory it
 # may use, places each layer group's state, refuses what cannot fit) and take the resolved config.
-cfg, p = plan.prepare(cfg)
-import jax  # noqa: E402 - after prepare, as the backend reads its settings when it starts
+cfg, p = launch.plan_run(cfg)
+import jax  # noqa: E402 - after plan_run, as the backend reads its settings when it starts
 
 host = store.create(cfg, jax.random.key(0))  # fp32 weights + AdamW moments, placed by the plan
 eng = engine.Engine(cfg, host)

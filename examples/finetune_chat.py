@@ -127,13 +127,13 @@ sh("-m", "mtjax.train", "--config", "configs/finetune.yaml", "--no-progress",
 
 # 5. Held-out loss of the base model and of the export, on the same held-out batches as training
 # uses, through the library (loading an export back checks it too).
-from mtjax import cli, config, data, engine, hf, plan, store  # noqa: E402
+from mtjax import cli, config, data, engine, hf, launch, store  # noqa: E402
 
 
 def held_out_loss(model_dir: Path) -> float:
   cfg = cli.load_config(ROOT / "configs/finetune.yaml",
                     [f"model.from_hf={model_dir}", f"data.path={data_dir}", *toy])
-  cfg, _ = plan.prepare(cfg)  # before the first jax call, as in examples/custom_loop.py
+  cfg, _ = launch.plan_run(cfg)  # before the first jax call, as in examples/custom_loop.py
   import jax  # noqa: PLC0415
   st = store.create(cfg, jax.random.key(0))
   hf.load_into(st, model_dir)

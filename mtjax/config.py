@@ -314,7 +314,7 @@ class EngineConfig:
     and activations resolved (not auto)."""
     if "auto" in (self.activations, self.activations_every):
       raise ValueError("engine.activations / activations_every: auto is resolved by the planner "
-                       "(mtjax.plan.prepare)")
+                       "(mtjax.launch.plan_run)")
     kept = -(-layers // self.activations_every)
     if self.activations == "device":
       return 0

@@ -80,7 +80,7 @@ def placement(cfg: Config) -> list[Tier]:
   e = cfg.engine
   n = cfg.model.layers + 2
   if "auto" in (e.device_state_layers, e.device_update_layers, e.grad_queue):
-    raise ValueError("engine placement is 'auto': resolve it with mtjax.plan.prepare(cfg) first")
+    raise ValueError("engine placement is 'auto': resolve it with mtjax.launch.plan_run(cfg) first")
   n_dev = min(e.device_state_layers, n)
   n_str = min(e.device_update_layers, n - n_dev)
   return ["device"] * n_dev + ["stream"] * n_str + ["host"] * (n - n_dev - n_str)
@@ -482,7 +482,7 @@ def create(cfg: Config, key: jax.Array, tiers: Sequence[Tier] | None = None,
   whole-model temporaries: at most one group's host buffer beyond the final state).
 
   Args:
-    cfg: a resolved config (`mtjax.plan.prepare`); its placement is used unless `tiers` is given.
+    cfg: a resolved config (`mtjax.launch.plan_run`); its placement is used unless `tiers` is given.
     key: seeds the initial weights; a tensor's values depend only on (key, group, parameter name).
     tiers: one tier per group, overriding the config's placement.
     mesh: the devices the state is placed over (default: `engine.devices` local devices).

@@ -230,8 +230,8 @@ class _Signals:
 def check_outputs(cfg: config_lib.Config, json_path: str | None = None) -> None:
   """Refuses, before any training, output paths that cannot be written."""
   tc = cfg.train
-  if tc.checkpoint_dir:
-    checkpoint.claim(tc.checkpoint_dir, tc.resume, tc.overwrite)
+  if tc.checkpoint_dir:  # checked only: the folder is taken once nothing can refuse the run
+    checkpoint.check_claim(tc.checkpoint_dir, tc.resume, tc.overwrite)
     if tc.resume:
       checkpoint.check_model(tc.checkpoint_dir, config_lib.to_dict(cfg.model))
   for key, path in (("train.export_dir", tc.export_dir), ("--json", json_path)):
@@ -474,6 +474,8 @@ def run(cfg: config_lib.Config, progress: bool | str = True, on_plan=None,
       check_outputs(cfg, json_path)
       cfg, plan = plan_run(cfg, on_plan)
       inputs = check_inputs(cfg)
+      if cfg.train.checkpoint_dir:
+        checkpoint.claim(cfg.train.checkpoint_dir, cfg.train.resume, cfg.train.overwrite)
       folder = run_folder(cfg)
       with _LibraryLogs(folder):
         return _train(cfg, plan, inputs, folder, mode, signals)

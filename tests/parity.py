@@ -19,7 +19,7 @@ import torch
 import transformers
 
 import mtjax
-from mtjax import cli, data, engine as engine_lib, hf, models, plan, store as store_lib
+from mtjax import cli, data, engine as engine_lib, hf, launch, models, store as store_lib
 from mtjax.models.layers import token_nll
 from numerics import assert_close, errors
 
@@ -170,7 +170,7 @@ def check_adamw_step(directory: Path, aux_coef: float = 0.0, lr: float = 1e-2,
           f"optim.eps={eps}",
           "engine.device_state_layers=1", "engine.device_update_layers=1",
           *(f"{k}={v}" for k, v in overrides.items())]
-  cfg, _ = plan.prepare(cli.load_config(None, over))
+  cfg, _ = launch.plan_run(cli.load_config(None, over))
   st = store_lib.create(cfg, jax.random.key(0))
   hf.load_into(st, directory)
   ids = token_ids(cfg.model.vocab_size, B, T + 1, seed=5)

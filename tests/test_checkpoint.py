@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from mtjax import checkpoint, config, data, engine, plan, store as store_lib, train
+from mtjax import checkpoint, config, data, engine, launch, store as store_lib, train
 
 TINY = Path(__file__).parent.parent / "configs" / "tiny.yaml"
 
@@ -33,7 +33,7 @@ def test_resume_equals_uninterrupted(tmp_path):
 
 
 def new(over=(), seed=0):
-  cfg, _ = plan.prepare(config.load(TINY, ["engine.device_state_layers=0", *over]))
+  cfg, _ = launch.plan_run(config.load(TINY, ["engine.device_state_layers=0", *over]))
   return cfg, store_lib.create(cfg, jax.random.key(seed))
 
 

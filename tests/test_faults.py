@@ -13,7 +13,7 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from mtjax import cli, config, exits, plan
+from mtjax import cli, config, exits, launch, plan
 
 ROOT = Path(__file__).parent.parent
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -75,7 +75,7 @@ def planned(path: Path) -> str:
   message of the project's error."""
   try:
     cfg = cli.load_config(path)
-    plan.prepare(cfg)
+    launch.plan_run(cfg)
   except (config.ConfigError, plan.PlanError) as e:
     text = str(e)
     assert text and "\n" not in text, f"not one line: {text!r}"
@@ -104,9 +104,9 @@ def test_absurd_sizes_are_refused_before_anything_is_laid_out(over, monkeypatch)
   forbidden = lambda *a, **k: pytest.fail("laid out, allocated or compiled an absurd config")
   monkeypatch.setattr(models, "spec", forbidden)
   monkeypatch.setattr(store_lib, "create", forbidden)
-  monkeypatch.setattr(plan.probe, "compiled_memory", forbidden)
+  monkeypatch.setattr(launch, "compiled_memory", forbidden)
   with pytest.raises((plan.PlanError, config.ConfigError)) as e:
-    plan.prepare(cli.load_config(TINY, over))
+    launch.plan_run(cli.load_config(TINY, over))
   assert "\n" not in str(e.value)
 
 

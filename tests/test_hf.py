@@ -384,13 +384,13 @@ def test_import_holds_at_most_one_tensor_beside_the_state(tmp_path, dtype):
 
 
 def test_engine_gradients_on_an_imported_model_match_torch(tmp_path):
-  from mtjax import config, data, engine, plan, store as store_lib
+  from mtjax import config, data, engine, launch, store as store_lib
   build("qwen3", tmp_path / "src")
   cfg = cli.load_config(None, [f"model.from_hf={tmp_path / 'src'}", "engine.compute_dtype=float32",
                            "engine.device_state_layers=1", "engine.device_update_layers=1",
                            "train.batch=2", "train.seq=12"])
   assert cfg.model.qk_norm and cfg.model.head_dim == 16  # the shape came from config.json
-  cfg, _ = plan.prepare(cfg)
+  cfg, _ = launch.plan_run(cfg)
   st = store_lib.create(cfg, jax.random.key(0))
   hf.load_into(st, cfg.model.from_hf)
   b = data.synthetic_batch(0, 2, 12, cfg.model.vocab_size, seed=3)

@@ -22,11 +22,13 @@ LAYERS = [
      "mtjax.models.gpt_oss", "mtjax.models.deepseek"],
     ["mtjax.models.spec", "mtjax.models"],
     ["mtjax.hf", "mtjax.optimizer", "mtjax.dpo", "mtjax.objectives"],
-    ["mtjax.store", "mtjax.api"],
+    ["mtjax.store", "mtjax.api", "mtjax.programs"],
     ["mtjax.checkpoint", "mtjax.engine"],
     ["mtjax.cli", "mtjax.runlog", "mtjax.report"],
     ["mtjax.plan"],
-    ["mtjax.train", "mtjax.export", "mtjax"],
+    ["mtjax.launch"],
+    # the commands: `python -m mtjax.plan` plans this machine through launch
+    ["mtjax.train", "mtjax.export", "mtjax.plan.__main__", "mtjax"],
 ]
 
 

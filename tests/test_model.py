@@ -9,7 +9,7 @@ from hypothesis import given, strategies as hst
 
 import reference as ref
 from numerics import assert_close, assert_trees_close
-from mtjax import config, engine, models
+from mtjax import config, models, programs
 from mtjax.models import block as block_lib, layers
 
 
@@ -76,7 +76,7 @@ def test_rope_is_a_rotation_that_depends_on_relative_position():
 def test_chunked_head_equals_full_logits_loss(tied, chunk):
   cfg = model_cfg(tie_embeddings=tied)
   lays = models.spec(cfg).layouts
-  fns = engine.layer_fns(models.spec(cfg), jnp.float32, None, chunk)
+  fns = programs.layer_fns(models.spec(cfg), jnp.float32, None, chunk)
   k = jax.random.split(jax.random.key(0), 4)
   wh = jax.random.normal(k[0], (lays["head"].size,)) * 0.3
   wt = jax.random.normal(k[1], (lays["embed"].size,)) * 0.3 if tied else None

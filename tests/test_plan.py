@@ -11,9 +11,10 @@ from pathlib import Path
 
 import jax
 import pytest
-from hypothesis import given, strategies as hst
+from hypothesis import given, settings, strategies as hst
 
-from mtjax import config, engine, models, plan, store as store_lib, train
+from mtjax import config, engine, exits, launch, models, plan, store as store_lib, train
+from mtjax.plan import __main__ as plan_cli
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 
@@ -48,7 +49,7 @@ def test_shipped_shapes_have_their_nominal_sizes():
 def test_state_figures_equal_the_allocation(placement):
   n_state, n_stream = placement
   over = [f"engine.device_state_layers={n_state}", f"engine.device_update_layers={n_stream}"]
-  cfg, p = plan.prepare(config.load(CONFIGS / "tiny.yaml", over))
+  cfg, p = launch.plan_run(config.load(CONFIGS / "tiny.yaml", over))
   st = store_lib.create(cfg, jax.random.key(0))
   allocated = st.allocated_bytes()  # summed over the buffers the store really holds
   assert p.host["master weights"] + p.host["optimizer state"] == allocated["host"] + allocated["pinned"]
@@ -65,7 +66,7 @@ def test_state_figures_equal_the_allocation(placement):
 
 @pytest.mark.parametrize("name", ["lion", "adafactor"])
 def test_optimizer_state_of_any_optax_rule_is_counted_as_allocated(name):
-  cfg, p = plan.prepare(config.load(CONFIGS / "tiny.yaml", [f"optim.name={name}"]))
+  cfg, p = launch.plan_run(config.load(CONFIGS / "tiny.yaml", [f"optim.name={name}"]))
   st = store_lib.create(cfg, jax.random.key(0))
   allocated = st.allocated_bytes()
   assert p.host["master weights"] + p.host["optimizer state"] == allocated["host"] + allocated["pinned"]
@@ -75,7 +76,7 @@ def test_optimizer_state_of_any_optax_rule_is_counted_as_allocated(name):
 
 def test_device_bytes_of_the_layers_come_from_the_compiled_executables():
   cfg = config.load(CONFIGS / "tiny.yaml", ["engine.device_state_layers=0"])
-  working = plan.compiled_memory(cfg)
+  working = launch.compiled_memory(cfg)
   assert set(working) == {"embed forward", "block forward", "block backward", "head",
                           "embed backward"}
   # The block backward holds at least its activations' cotangents: [B, T, ffn] fp32 a few times.
@@ -85,13 +86,13 @@ def test_device_bytes_of_the_layers_come_from_the_compiled_executables():
   p = plan.make(cfg, working=working)
   assert p.compiled and p.device["layer executables (compiled)"] == max(
       w["temp"] + w["output"] for w in working.values())
-  bigger = plan.compiled_memory(config.load(CONFIGS / "tiny.yaml", ["train.batch=16"]))
+  bigger = launch.compiled_memory(config.load(CONFIGS / "tiny.yaml", ["train.batch=16"]))
   assert bigger["block backward"]["temp"] > working["block backward"]["temp"]
 
 
 def test_a_child_process_compiles_the_same_executables():
   cfg = config.load(CONFIGS / "tiny.yaml", ["engine.device_state_layers=0"])
-  assert plan.probe.compiled_memory_apart(cfg) == plan.compiled_memory(cfg)
+  assert launch.compiled_memory_apart(cfg) == launch.compiled_memory(cfg)
 
 
 def test_the_pinned_pool_is_capped_for_the_plan_of_the_compiled_executables(monkeypatch):
@@ -103,15 +104,15 @@ def test_the_pinned_pool_is_capped_for_the_plan_of_the_compiled_executables(monk
   host = int(125.8 * GiB)
   compiled = {"head": {"argument": 0, "output": 0, "temp": int(8.03 * GiB), "alias": 0}}
   asked = []
-  monkeypatch.setattr(plan.probe, "backend_started", lambda: False)
-  monkeypatch.setattr(plan.probe, "probe_device_memory", lambda: 143771 * 2**20)
-  monkeypatch.setattr(plan.probe, "probe_device_count", lambda: 1)
-  monkeypatch.setattr(plan.probe, "compiled_memory_apart", lambda c, n: asked.append(n) or compiled)
+  monkeypatch.setattr(launch, "backend_started", lambda: False)
+  monkeypatch.setattr(launch, "probe_device_memory", lambda: 143771 * 2**20)
+  monkeypatch.setattr(launch, "probe_device_count", lambda: 1)
+  monkeypatch.setattr(launch, "compiled_memory_apart", lambda c, n: asked.append(n) or compiled)
   monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
   monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
   cfg = config.load(CONFIGS / "qwen2.5_14b.yaml")
   with pytest.raises(plan.PlanError, match="host memory"):  # this CPU then runs it all on the host
-    plan.prepare(cfg, host_limit=host)
+    launch.plan_run(cfg, host_limit=host)
   limit = int(143771 * 2**20 * 0.92)
   one = lambda c: dataclasses.replace(c, engine=dataclasses.replace(c.engine, devices=1))
   estimated, exact = (plan.make(one(cfg), host, limit, plan.Rates(), w) for w in (None, compiled))
@@ -142,17 +143,17 @@ def test_peak_rss_during_init_stays_near_the_state(tmp_path):
   assert grown <= state_bytes + 4 * layer, (grown, state_bytes, layer)
 
 
-def test_train_does_not_start_the_backend_before_prepare_sets_it_up():
+def test_train_does_not_start_the_backend_before_the_launch_sets_it_up():
   # The pinned pool and the GPU memory fraction are read once, when the backend starts: a
   # train-side check that started it first silently left the GPU at XLA's default 75%.
   script = textwrap.dedent("""
-      from mtjax import config, plan, train
+      from mtjax import config, launch, train
       seen = []
-      real = plan.prepare
+      real = launch.plan_run
       def spy(cfg, *a, **k):
-          seen.append(plan.backend_started())
+          seen.append(launch.backend_started())
           return real(cfg, *a, **k)
-      plan.prepare = spy
+      launch.plan_run = spy
       train.run(config.load("configs/tiny.yaml", ["train.steps=1", "train.tensorboard=false",
                                                   "train.run_dir=RUN"]), progress=False)
       print(seen)
@@ -164,12 +165,12 @@ def test_train_does_not_start_the_backend_before_prepare_sets_it_up():
 
 def tmp_path_factory_dir():
   import tempfile
-  return tempfile.mkdtemp(prefix="mtjax-prepare-")
+  return tempfile.mkdtemp(prefix="mtjax-launch-")
 
 
 def test_run_that_cannot_fit_is_refused_before_allocation(monkeypatch):
   cfg = config.load(CONFIGS / "llama_7b.yaml")
-  monkeypatch.setattr(plan.probe, "host_memory_limit", lambda: 64 * 2**30)
+  monkeypatch.setattr(launch, "host_memory_limit", lambda: 64 * 2**30)
   monkeypatch.setattr(store_lib, "create", lambda *a, **k: pytest.fail("allocated before refusing"))
   with pytest.raises(plan.PlanError, match=r"host memory: needs \d+\.\d GiB .* limit 64\.0 GiB"):
     train.run(cfg, progress=False)
@@ -329,7 +330,7 @@ def test_every_shipped_config_plans_for_the_h200_machine_file(tmp_path):
   assert 0 < big.device_state_layers < 50 and big.tiers.count("host") > 0
   # the CLI's --json carries the placement and both predictions
   out = tmp_path / "plan.json"
-  assert plan.main(["--config", str(CONFIGS / "qwen2.5_14b.yaml"), "--machine",
+  assert plan_cli.main(["--config", str(CONFIGS / "qwen2.5_14b.yaml"), "--machine",
                     str(CONFIGS / "machines" / "h200.yaml"), "--json", str(out)]) == 0
   summary = json.loads(out.read_text())
   assert (summary["device_state_layers"], summary["device_update_layers"],
@@ -347,7 +348,7 @@ def test_explicit_counts_win_and_a_bad_machine_file_is_one_line(tmp_path, capsys
   bad = tmp_path / "m.yaml"
   bad.write_text("device_memory_gb: 80\ndevices: 0\nhost_memory_gb: 64\nmatmul_tflops: 1\n"
                  "h2d_gbps: 1\nd2h_gbps: 1\nhost_adamw_gparams: 1\nwarp: 9\n")
-  assert plan.main(["--config", str(CONFIGS / "tiny.yaml"), "--machine", str(bad)]) == 2
+  assert plan_cli.main(["--config", str(CONFIGS / "tiny.yaml"), "--machine", str(bad)]) == 2
   err = capsys.readouterr().err.strip()
   assert "\n" not in err and "unknown keys ['warp']" in err
 
@@ -372,7 +373,7 @@ def test_placement_words_are_auto_or_counts():
     config.load(CONFIGS / "tiny.yaml", ["engine.device_update_layers=most"])
   with pytest.raises(config.ConfigError, match="exceed the 4 layer groups"):
     config.load(CONFIGS / "tiny.yaml", ["engine.device_update_layers=3", "engine.device_state_layers=2"])
-  with pytest.raises(ValueError, match="resolve it with mtjax.plan.prepare"):
+  with pytest.raises(ValueError, match="resolve it with mtjax.launch.plan_run"):
     store_lib.create(config.load(CONFIGS / "tiny.yaml"), jax.random.key(0))
 
 
@@ -466,7 +467,7 @@ def test_bfloat16_moments_let_the_gpt_oss_20b_shape_fit_the_h200_machine(capsys)
     plan.check(fp32)
   args = ["--config", str(CONFIGS / "gpt_oss_20b.yaml"), "--machine",
           str(CONFIGS / "machines" / "h200.yaml"), "optim.state_dtype=float32"]
-  assert plan.main(args) == 1
+  assert plan_cli.main(args) == exits.BAD_INPUT  # does not fit: refused, as train refuses it
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("refused: does not fit in host memory")
 
@@ -516,10 +517,10 @@ def test_the_plan_costs_the_heads_chunks_and_the_devices_memory_bandwidth():
 
 def test_the_device_memory_bandwidth_is_measured_once_per_device():
   device = jax.devices()[0]
-  plan.probe._HBM_GBPS.pop(device, None)
-  gbps = plan.device_memory_gbps(device, nbytes=4 * 2**20, repeats=3)
+  launch._HBM_GBPS.pop(device, None)
+  gbps = launch.device_memory_gbps(device, nbytes=4 * 2**20, repeats=3)
   assert math.isfinite(gbps) and gbps > 0
-  assert plan.device_memory_gbps(device) == gbps  # cached: prepare asks for it on every plan
+  assert launch.device_memory_gbps(device) == gbps  # cached: plan_run asks for it on every plan
 
 
 def test_the_plan_costs_the_attention_kernel_each_layer_takes():
@@ -546,3 +547,199 @@ def test_the_plan_costs_the_attention_kernel_each_layer_takes():
   assert (plan.make(wide, rates=ampere).schedule_s > plan.make(wide, rates=hopper).schedule_s)
   gemma2 = config.load(CONFIGS / "gemma2_9b.yaml")
   assert set(plan.search.attention_kernels(gemma2, hopper)) == {"blockwise"}
+
+
+# Qwen2.5-14B's published config.json (Qwen/Qwen2.5-14B on the Hugging Face hub), its shape keys.
+QWEN2_5_14B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+               "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 48,
+               "num_attention_heads": 40, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+               "rope_theta": 1000000.0, "max_position_embeddings": 131072,
+               "max_window_layers": 48, "sliding_window": 131072, "use_sliding_window": False,
+               "tie_word_embeddings": False, "vocab_size": 152064}
+
+
+def test_the_14b_config_is_qwen2_5_14b_as_the_qwen2_family_reads_it():
+  """configs/qwen2.5_14b.yaml computes what the published Qwen2.5-14B does (the qwen2 family's
+  reading of its config.json, q/k/v biases included), so the plan labels it qwen2 and an export
+  writes Qwen2's config.json."""
+  from mtjax.models import registry  # noqa: PLC0415
+  m = config.load(CONFIGS / "qwen2.5_14b.yaml").model
+  assert m == config.ModelConfig(**registry.read_hf_config(QWEN2_5_14B))
+  assert plan.param_counts(m)["total"] == pytest.approx(14.77e9, abs=0.005e9)
+  assert plan.format_plan(plan.make(config.load(CONFIGS / "qwen2.5_14b.yaml"))).startswith("qwen2:")
+  written = registry.get(m.family).write_config(m, "bfloat16")
+  assert written["architectures"] == ["Qwen2ForCausalLM"] and written["attention_bias"] is True
+  assert config.ModelConfig(**registry.read_hf_config(written)) == m
+
+
+def test_the_size_refusal_names_the_models_true_parameter_count(monkeypatch):
+  """Llama-3-8B (8,030,261,248 parameters, as published) on 16 GiB of host memory: refused by
+  arithmetic before any layout, naming its real size."""
+  monkeypatch.setattr(models, "spec", lambda *a: pytest.fail("laid out to refuse by size"))
+  cfg = config.load(CONFIGS / "llama3_8b.yaml")
+  with pytest.raises(plan.PlanError, match=r"\(8\.03B params x 12 B/param\)") as e:
+    plan.make(cfg, host_limit=16 * 2**30)
+  assert f"{8_030_261_248 * 12 / 2**30:,.1f} GiB" in str(e.value)
+
+
+MOES = hst.one_of(hst.none(), hst.builds(
+    config.MoEConfig, experts=hst.sampled_from([4, 8]), experts_per_token=hst.just(2),
+    expert_ffn=hst.sampled_from([8, 24]), router_bias=hst.booleans(),
+    score_correction_bias=hst.booleans(), shared_experts=hst.integers(0, 2),
+    shared_ffn=hst.sampled_from([None, 16]), shared_gate=hst.booleans(),
+    first_dense_layers=hst.integers(0, 2), dense_layers=hst.sampled_from([(), (2,), (1, 3)]),
+    every=hst.integers(1, 2)))
+MLAS = hst.one_of(hst.none(), hst.builds(config.MLAConfig, kv_lora_rank=hst.sampled_from([8, 16]),
+                                         q_lora_rank=hst.sampled_from([None, 12])))
+
+
+@given(layers=hst.integers(1, 5), heads=hst.sampled_from([2, 4]), kv=hst.sampled_from([1, 2]),
+       head_dim=hst.sampled_from([None, 8]), flags=hst.fixed_dictionaries(
+           {k: hst.booleans() for k in ("qkv_bias", "o_bias", "qk_norm", "attention_sinks",
+                                        "mlp_bias", "tie_embeddings")}),
+       scope=hst.sampled_from(["head", "all"]), norms=hst.sampled_from(["pre", "sandwich", "post"]),
+       moe=MOES, mla=MLAS)
+@settings(max_examples=30)  # shapes only (no compile): cheap
+def test_the_arithmetic_count_is_the_layouts(layers, heads, kv, head_dim, flags, scope, norms, moe,
+                                             mla):
+  """`plan.count_params` (arithmetic on the config, what the size refusal prints) against the
+  parameters of the layouts the model is built from, over drawn options of every block part."""
+  m = config.ModelConfig(vocab_size=64, hidden=32, layers=layers, heads=heads, kv_heads=kv,
+                         head_dim=head_dim, ffn=40, qk_norm_scope=scope, norm_position=norms,
+                         moe=moe, mla=mla, **flags)
+  assert plan.count_params(m) == plan.param_counts(m)["total"]
+
+
+def test_the_arithmetic_count_is_the_layouts_for_every_shipped_shape():
+  for f in sorted(CONFIGS.glob("*.yaml")):
+    over = ["data.source=synthetic", "train.eval_every=0"] if f.name == "finetune.yaml" else []
+    m = config.load(f, over).model
+    assert plan.count_params(m) == plan.param_counts(m)["total"], f.name
+
+
+def test_the_plan_counts_the_checkpoints_a_run_writes_and_shows_only_the_files_it_writes(tmp_path):
+  """A run saves every train.checkpoint_every steps and at its last step, once where they meet:
+  with every save kept (train.keep_checkpoints=0) the plan's count is the folders the run leaves.
+  The plan shows a checkpoint line only with train.checkpoint_dir, an export line only with
+  train.export_dir."""
+  tiny = lambda *o: config.load(CONFIGS / "tiny.yaml", ["train.tensorboard=false", *o])
+  for steps, every in ((6, 2), (5, 2)):  # saves at 2, 4, 6; at 2, 4, 5
+    ck = tmp_path / f"ck_{steps}"
+    cfg = tiny(f"train.steps={steps}", f"train.checkpoint_every={every}",
+               "train.keep_checkpoints=0", f"train.checkpoint_dir={ck}",
+               f"train.run_dir={tmp_path / 'runs'}")
+    train.run(cfg, progress=False)
+    written = len(list(ck.glob("step_*")))
+    assert written == 3 and plan.make(cfg).disk["checkpoints at once"] == written
+  # steps=30, checkpoint_every=10, keep 3: the saves are 10, 20 and 30, so at most 3 on disk
+  kept = plan.make(tiny("train.steps=30", "train.checkpoint_every=10", "train.keep_checkpoints=3",
+                        f"train.checkpoint_dir={tmp_path / 'ck'}"))
+  assert kept.disk["checkpoints at once"] == 3
+  assert kept.disk["checkpoints kept"] == 3 * kept.disk["one checkpoint"]
+  lines = lambda p: [ln for ln in plan.format_plan(p).splitlines() if "disk" in ln]
+  assert [ln.split(":")[0] for ln in lines(kept)] == ["checkpoint disk"]
+  neither = plan.make(tiny())
+  assert neither.disk == {} and lines(neither) == []
+  export = plan.make(tiny(f"train.export_dir={tmp_path / 'out'}"))
+  assert set(export.disk) == {"export"} and [ln.split(":")[0] for ln in lines(export)] == [
+      "export disk"]
+
+
+def test_the_plans_tables_keep_one_column_past_their_longest_label():
+  """Every byte item's figure in one column, whatever its label: the H200 plan of the 3.37B shape
+  (all in device memory: "weights and optimizer state (device tier)", the longest label the plan
+  prints) and a CPU plan (its host-RAM device line)."""
+  on_h200 = plan.Machine.load(CONFIGS / "machines" / "h200.yaml").plan(
+      config.load(CONFIGS / "llama_3b.yaml"))
+  on_cpu = plan.make(config.load(CONFIGS / "tiny.yaml"), rates=plan.Rates(accelerator=False))
+  longest = max(len(k) for p in (on_h200, on_cpu) for k in [*p.host, *p.device])
+  for p in (on_h200, on_cpu):
+    items = [(k, v) for table in (p.host, p.device) for k, v in table.items() if v]
+    lines = [ln for ln in plan.format_plan(p).splitlines() if ln.startswith("  ")]
+    assert len({len(ln) for ln in lines}) == 1, lines  # the figures end in one column
+    for (k, v), ln in zip(items, lines, strict=True):
+      assert ln[2:].startswith(k + " ") and ln.endswith(f" {v / 2**30:.2f} GiB")
+  assert "weights and optimizer state (device tier)" in plan.format_plan(on_h200)
+  assert longest == len("weights and optimizer state (device tier)")
+
+
+def test_plan_refuses_a_run_that_does_not_fit_with_bad_input_as_train_does(tmp_path, capsys):
+  """"Does not fit" exits BAD_INPUT (2) from `plan` as from `train`, one line on stderr: refused by
+  size (the default path, as `train` refuses it), and refused after the plan is printed (a
+  machine file whose memories the 1B shape's plan exceeds)."""
+  run = lambda module, *a: subprocess.run([sys.executable, "-m", module, "--config",
+                                           str(CONFIGS / "tiny.yaml"), *a],
+                                          capture_output=True, text=True)
+  for r in (run("mtjax.plan", "model.layers=2000000"), run("mtjax.train", "model.layers=2000000")):
+    assert r.returncode == exits.BAD_INPUT, r.stderr
+    assert r.stderr.startswith("refused: does not fit in host memory") and r.stderr.count("\n") == 1
+  machine = tmp_path / "small.yaml"
+  machine.write_text("device_memory_gb: 1\ndevices: 1\nhost_memory_gb: 12\nmatmul_tflops: 100\n"
+                     "h2d_gbps: 10\nd2h_gbps: 10\nhost_adamw_gparams: 1\n")
+  out = tmp_path / "plan.json"
+  assert plan_cli.main(["--config", str(CONFIGS / "llama_1b.yaml"), "--machine", str(machine),
+                    "--json", str(out)]) == exits.BAD_INPUT
+  printed = capsys.readouterr()
+  assert "(DOES NOT FIT)" in printed.out and not json.loads(out.read_text())["fits"]
+  err = printed.err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("refused: does not fit in host memory")
+
+
+PURE_PLAN = """
+import os, subprocess
+from jax._src import xla_bridge
+env = dict(os.environ)
+def refuse(*a, **k):
+  raise AssertionError(f"the planner started a process: {a}")
+subprocess.Popen = refuse
+from mtjax import config, plan
+GiB = 2**30
+p = plan.make(config.load("configs/qwen2.5_14b.yaml"), host_limit=126 * GiB,
+              device_limit=128 * GiB, working={"head": {"temp": GiB, "output": 0}})
+m = plan.Machine.load("configs/machines/h200.yaml").plan(config.load("configs/llama3_8b.yaml"))
+plan.format_plan(p), plan.plan_summary(m)
+assert dict(os.environ) == env, "the planner wrote the environment"
+assert not xla_bridge._backends, "the planner started the jax backend"
+print("pure")
+"""
+
+
+def test_the_planner_takes_the_machines_facts_as_arguments_and_touches_nothing():
+  """mtjax.plan makes, prints and summarises plans (the search, the simulation, a machine file's
+  plan) without writing the environment, starting a process or the jax backend; its modules (the
+  CLI aside, a command) import nothing that could: probing the machine is mtjax.launch's."""
+  out = subprocess.run([sys.executable, "-c", PURE_PLAN], capture_output=True, text=True,
+                       cwd=CONFIGS.parent)
+  assert out.returncode == 0 and out.stdout.strip() == "pure", out.stderr
+  import ast  # noqa: PLC0415
+  for path in sorted((CONFIGS.parent / "mtjax" / "plan").glob("*.py")):
+    if path.name == "__main__.py":
+      continue
+    tree = ast.parse(path.read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    for n in ast.walk(tree):
+      if isinstance(n, ast.ImportFrom) and n.module:
+        imported |= {n.module} | {f"{n.module}.{a.name}" for a in n.names}
+    roots = {name.split(".")[0] for name in imported}
+    assert not roots & {"os", "subprocess", "sys", "jax"} and "mtjax.launch" not in imported, (
+        path.name, sorted(imported))
+    assert not any(isinstance(n, ast.Name) and n.id == "open" for n in ast.walk(tree)), path.name
+
+
+def test_the_planners_measured_constants_are_the_ones_docs_performance_shows():
+  """The figures behind the planner's constants live in docs/performance.md; every constant its
+  table names exists, and the attention kernels' shares there are the code's."""
+  import re  # noqa: PLC0415
+  from mtjax.plan import memory, schedule, search  # noqa: PLC0415
+  text = (CONFIGS.parent / "docs" / "performance.md").read_text()
+  section = text.split("## The planner's constants\n")[1].split("\n## ")[0]
+  names = re.findall(r"^\| `([A-Z_]+|Rates\.\w+)`", section, re.M)
+  assert len(names) >= 8
+  for name in names:
+    owner, _, attr = name.rpartition(".")
+    assert any(hasattr(schedule.Rates if owner else mod, attr or name)
+               for mod in (memory, schedule, search)), name
+  shares = dict(re.findall(r"\(`(\w+_SHARE)`\) \| ([0-9.]+) \|", section))
+  assert shares == {"WIDE_SHARE": str(search.WIDE_SHARE), "MASK_SHARE": f"{search.MASK_SHARE:.2f}"}
+  assert f"width / {search.BLOCKWISE_WIDTH}, at most {search.BLOCKWISE_MAX_SHARE}" in section
+  assert f"width / {search.XLA_WIDTH}" in section

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from mtjax import checkpoint, config, data, engine, plan, store as store_lib
+from mtjax import checkpoint, config, data, engine, launch, store as store_lib
 from mtjax import exits
 
 TINY = Path(__file__).parent.parent / "configs" / "tiny.yaml"
@@ -36,7 +36,7 @@ def start(*args, env=None):
 
 def weights_at(directory, step=None):
   """The weights and optimizer state of a checkpoint (the newest, or `step`), as numpy trees."""
-  cfg, _ = plan.prepare(config.load(TINY, COMMON + ["engine.device_state_layers=0"]))
+  cfg, _ = launch.plan_run(config.load(TINY, COMMON + ["engine.device_state_layers=0"]))
   st = store_lib.create(cfg, jax.random.key(99))
   path = checkpoint.latest(directory) if step is None else Path(directory) / f"step_{step}"
   checkpoint.restore(st, path)

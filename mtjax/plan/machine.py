@@ -6,10 +6,9 @@ import dataclasses
 from pathlib import Path
 
 from mtjax import config as config_lib
-from mtjax.plan.memory import GiB
-from mtjax.plan.probe import DEVICE_MEMORY_FRACTION, _with_devices
+from mtjax.plan.memory import DEVICE_MEMORY_FRACTION, GiB
 from mtjax.plan.schedule import Rates
-from mtjax.plan.search import Plan, PlanError, devices_of, make
+from mtjax.plan.search import Plan, PlanError, devices_of, make, with_devices
 
 @dataclasses.dataclass(frozen=True)
 class Machine:
@@ -28,7 +27,7 @@ class Machine:
 
   @classmethod
   def load(cls, path: str | Path) -> "Machine":
-    """Reads and checks a machine file; MachineError (one line) on anything wrong."""
+    """Reads and checks a machine file; ConfigError (one line) on anything wrong."""
     import yaml  # noqa: PLC0415
     try:
       raw = yaml.safe_load(Path(path).read_text())
@@ -62,7 +61,7 @@ class Machine:
 
   def plan(self, cfg: config_lib.Config) -> Plan:
     """The plan of `cfg` on this machine: every `auto` resolved, device bytes estimated."""
-    cfg = _with_devices(cfg, devices_of(cfg, self.devices))
+    cfg = with_devices(cfg, devices_of(cfg, self.devices))
     if cfg.train.batch % (cfg.engine.devices * (cfg.engine.micro_batch or 1)):
       raise PlanError(f"train.batch: {cfg.train.batch} sequences do not split evenly over "
                       f"{cfg.engine.devices} device(s)")

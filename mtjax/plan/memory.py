@@ -1,5 +1,6 @@
 """Host and device bytes of a plan's items that are not arithmetic on the layouts: the runtime,
-allowances measured on the H200, the pinned pool's rounding, a Hugging Face import or export."""
+allowances measured on the H200 (the figures: docs/performance.md, the planner's constants), the
+pinned pool's rounding, a Hugging Face import or export."""
 
 from __future__ import annotations
 
@@ -16,28 +17,31 @@ def human_bytes(n: int) -> str:
 GiB = 2**30
 
 
-# Python, jax/XLA, the CUDA runtime and compiled code: measured on the H200 box (7B and 9B runs:
-# peak RSS minus the other items was 3.5-6.4 GiB), so the plan errs high by up to 3 GiB. Without an
-# accelerator (the CPU backend, no CUDA runtime, no pinned pool) a much smaller allowance.
+# Python, jax/XLA, the CUDA runtime and compiled code, measured on the H200 and rounded up: the
+# plan errs high here. Without an accelerator (the CPU backend, no CUDA runtime, no pinned pool) a
+# much smaller allowance.
 RUNTIME_HOST_BYTES = 6.5 * GiB
 
 
 RUNTIME_HOST_BYTES_CPU = 1 * GiB
 
 
-# Host memory that grows with the state held in device memory, not yet explained item by item:
-# the 14.8B run with 94.8 GiB of device-tier state peaked at 101.6 GiB RSS against 91.6 GiB of
-# the other items (measured on the H200 with engine.grad_queue=4), about 10.5% of the
-# device-tier bytes; a 17.0B run planned without this allowance at 125.7 of 125.8 GiB was killed
-# for host memory.
+# Host memory that grows with the state held in device memory, not yet explained item by item: a
+# share of the device-tier bytes, measured on the H200 (a run planned without it was killed for
+# host memory).
 DEVICE_TIER_HOST_SHARE = 0.11
+
+
+# The share of a GPU's memory XLA's allocator may take (its own default is 75%): the rest holds the
+# CUDA context, cuDNN's workspace and the pinned-pool bookkeeping. A machine file's plan counts it,
+# and mtjax.launch sets it before the backend starts.
+DEVICE_MEMORY_FRACTION = 0.92
 
 
 # XLA's GPU allocator (BFC) hands a request a free chunk of up to twice its size, unsplit, when the
 # rest would be under 128 MiB, and counts the whole chunk in use; the saved block inputs live
-# longest, among short-lived buffers of other sizes. Measured on the H200 (1B and 3.37B at 32k: the
-# device peak 0.72 and 1.6 GiB over the plan's items): about this share of min(input, 128 MiB) per
-# saved input in device memory.
+# longest, among short-lived buffers of other sizes. Measured on the H200: about this share of
+# min(input, 128 MiB) per saved input in device memory.
 SAVED_INPUT_ROUNDING = 0.3
 
 

@@ -1,6 +1,7 @@
 """The step's time: parameter and FLOP counts, machine rates, and a simulation of the engine's
 schedule over its four lanes (host->device copies, device compute, device->host copies, the host
-optimizer)."""
+optimizer). The measured figures behind the constants: docs/performance.md, the planner's
+constants."""
 
 from __future__ import annotations
 
@@ -12,6 +13,42 @@ def param_counts(m: config_lib.ModelConfig) -> dict[str, int]:
   """Parameters: `total`, `active` per token (a mixture's unchosen experts left out), and one
   group's of each layer kind ("embed", "head", each block kind: mtjax.models.spec)."""
   return models.spec(m).counts
+
+
+def count_params(m: config_lib.ModelConfig) -> int:
+  """The model's parameters by arithmetic on its config, without laying out a layer (an absurd
+  size is refused at once: `refuse_by_size`); equal to `param_counts(m)["total"]`, which
+  tests/test_plan.py holds it to for every shipped config and drawn ones."""
+  D, H, V = m.hidden, m.heads, m.vocab_size
+  dense = lambda width, bias: 3 * D * width + (2 * width + D) * bias  # gate, up, down (+ biases)
+  if m.mla is None:
+    q, kv = H * m.dim_per_head, m.n_kv_heads * m.dim_per_head
+    attn = 2 * D * q + 2 * D * kv + (q + 2 * kv) * m.qkv_bias + D * m.o_bias + H * m.attention_sinks
+    if m.qk_norm:
+      attn += 2 * m.dim_per_head if m.qk_norm_scope == "head" else q + kv
+  else:
+    a = m.mla
+    qk = H * (a.qk_nope_dim + a.qk_rope_dim)
+    attn = (D * qk if a.q_lora_rank is None else (D + 1 + qk) * a.q_lora_rank)
+    attn += (D * (a.kv_lora_rank + a.qk_rope_dim) + a.kv_lora_rank
+             + a.kv_lora_rank * H * (a.qk_nope_dim + a.v_dim) + H * a.v_dim * D)
+  norms = D * (2 * (m.norm_position != "post") + 2 * (m.norm_position != "pre"))
+  block = norms + attn + dense(m.ffn, m.mlp_bias)
+  moe_block = moe_layers = 0
+  if m.moe is not None:
+    e = m.moe
+    E, F = e.experts, e.expert_ffn
+    experts = 3 * E * D * F + (2 * E * F + E * D) * m.mlp_bias
+    shared = (dense(e.shared_width, m.mlp_bias) + D * e.shared_gate
+              if e.shared_experts or e.shared_ffn else 0)
+    moe_block = (norms + attn + D * E + E * e.router_bias + E * e.score_correction_bias
+                 + experts + shared)
+    # layers i >= first_dense_layers with (i + 1) % every == 0, less the listed dense ones
+    first = min(e.first_dense_layers, m.layers)
+    moe_layers = m.layers // e.every - first // e.every - len(
+        {i for i in e.dense_layers if first <= i < m.layers and (i + 1) % e.every == 0})
+  head = D + (0 if m.tie_embeddings else D * V)
+  return V * D + (m.layers - moe_layers) * block + moe_layers * moe_block + head
 
 
 def flops(cfg: config_lib.Config) -> dict[str, float]:
@@ -37,12 +74,11 @@ DEVICE_UPDATE_BYTES = 28
 
 # The LM head's loss step moves each chunk's fp32 logits through device memory about six times
 # (written, max and logsumexp, softmax, its gradient written, read by two matmuls): bytes per
-# (token, vocabulary entry), beside its matmuls; a 128k vocabulary makes this 10-30% of the head.
+# (token, vocabulary entry), beside its matmuls; at a large vocabulary a real share of the head.
 HEAD_LOGIT_BYTES = 24
 # Each chunk of the loss step also reads the head's fp32 weights and writes them as bf16 (6 bytes)
 # and adds its fp32 gradient into the step's sum (12): bytes per (vocabulary entry, hidden unit)
-# per chunk. Measured on an H100 at the 1B shape (benchmarks/bench.py, engine.loss_chunk 1024
-# beside 4096, six more chunks): +8.1 ms at a 128k vocabulary, +2.0 ms at 32k, 15-17 bytes.
+# per chunk; measured on an H100 at the 1B shape, engine.loss_chunk 1024 beside 4096.
 HEAD_CHUNK_BYTES = 16
 
 
@@ -50,22 +86,19 @@ HEAD_CHUNK_BYTES = 16
 class Rates:
   """Machine rates for the step-time prediction (defaults: the lent H200 box, measured)."""
   matmul_tflops: float = 600.0  # bf16 dense matmul through jax.jit
-  # cuDNN's fused causal attention, forward and backward, bf16, head_dim 128: 465-476 TFLOP/s
-  # measured on the H200 at 128k-512k tokens (benchmarks/results/h200/context)
+  # cuDNN's fused causal attention, forward and backward, bf16, head_dim 128, at long context
   attention_tflops: float = 470.0
   h2d_gbps: float = 53.0  # pinned host -> device
   d2h_gbps: float = 53.0  # device -> pinned host
-  # The fused in-place AdamW alone, 16 cores (4.4-5.6 Gparam/s measured): the roofline's figure.
+  # The fused in-place AdamW alone on 16 cores: the roofline's figure.
   host_adamw_gparams: float = 4.4
   # The same loop inside a training step, beside the device's compute and copies: fitted to the
-  # host path (every group's state on the host) on the H200 boxes lent now, the 3.37B shape at
-  # 8 x 2048 (1.269 s) and the 8B (3.090 s); with it the schedule predicts both within 1%. Another
-  # box ran it at 4.2 (benchmarks/results/h200/bench-b8/all_systems_b8.log): the schedule's
-  # optimistic end.
+  # host path (every group's state on the host) on the H200 boxes; the best another box ran is
+  # the schedule's optimistic end.
   host_adamw_in_step_gparams: float = 3.4
   host_adamw_in_step_best_gparams: float = 4.2
-  # The device's memory bandwidth (a large device-to-device copy, bytes read and written: 4.3 TB/s
-  # on the H200): an update on the device and the LM head's softmax are bound by it.
+  # The device's memory bandwidth (a large device-to-device copy, bytes read and written): an
+  # update on the device and the LM head's softmax are bound by it.
   hbm_gbps: float = 4300.0
   accelerator: bool = True  # False: the CPU backend runs the layers (no CUDA runtime, no pinned pool)
   compute_capability: float = 9.0  # the GPU's (Hopper: 9.0): which attention kernels apply

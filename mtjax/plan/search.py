@@ -6,12 +6,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from mtjax import config as config_lib, models
+from mtjax import config as config_lib, models, objectives
 from mtjax.plan.memory import (DEVICE_TIER_HOST_SHARE, GiB, RUNTIME_HOST_BYTES,
                                RUNTIME_HOST_BYTES_CPU, SAVED_INPUT_ROUNDING, hf_staging_bytes,
                                pinned_pool_bytes)
 from mtjax.plan.schedule import (DEVICE_UPDATE_BYTES, HEAD_CHUNK_BYTES, HEAD_LOGIT_BYTES, Layer,
-                                 Rates, param_counts, simulate)
+                                 Rates, count_params, simulate)
 
 class PlanError(RuntimeError):
   """The run does not fit; the message gives the numbers and what to change."""
@@ -102,8 +102,8 @@ def make(cfg: config_lib.Config, host_limit: int | None = None, device_limit: in
   else the pair whose simulated step (`simulate`) is the shortest (`_place`).
 
   Args:
-    working: device bytes of the layer executables from `mtjax.plan.compiled_memory`; without
-      it they are estimated by formula (before the backend starts).
+    working: device bytes of the layer programs from XLA's analysis of their compiled code
+      (mtjax.launch.compiled_memory); without it they are estimated by formula.
     opt_bytes: optimizer-state bytes per group kind; default AdamW's 8 B/param.
     pinned_cap: the pinned pool's cap when it is fixed already (the backend has started).
   """
@@ -191,10 +191,9 @@ def _saved_inputs(cfg: config_lib.Config, make_plan) -> Plan:
 
 
 # A placement the planner chooses leaves this share of each memory spare: its estimates of the
-# device's (XLA's allocator) and the host's (the runtime) peaks err by a few percent. On the H200
-# the device peaks of the default configs came 0.8-4.8 GiB under their plans (3.37B to 14.77B);
-# the one run over its plan (every group on the host: 8.6 GiB, plan 7.5) was over by 0.9% of the
-# limit. At 5% the 14.77B shape held one group fewer in device memory and ran 3.4% slower.
+# device's (XLA's allocator) and the host's (the runtime) peaks err by a few percent; a wider
+# margin keeps groups out of device memory that fit there (docs/performance.md, the planner's
+# constants).
 DEVICE_SPARE, HOST_SPARE = 0.04, 0.03
 
 
@@ -269,29 +268,30 @@ def _place(cfg, build, G, host_limit, device_limit, rates) -> Plan:
 
 
 def refuse_by_size(cfg: config_lib.Config, host_limit: int | None, device_limit: int | None):
-  """Raises PlanError when the state alone (weights and AdamW moments, 12 B/param, 8 with bfloat16
-  moments) exceeds host
-  and device memory together: byte arithmetic on the config, before anything is laid out or
-  searched (an absurd size is refused at once)."""
+  """Raises PlanError when the state alone (weights and optimizer state: 12 B/param with AdamW's
+  fp32 moments, 8 with bfloat16 ones) exceeds host and device memory together: arithmetic on the
+  config, before anything is laid out or searched, so an absurd size is refused at once.
+
+  It decides on a lower bound of the parameters (the embedding and head, each block's query and
+  output projections and its feed-forward's matrices): a model near the limits gets the whole
+  plan's refusal, which says what to change. The message names the true count (`count_params`)."""
   if host_limit is None:
     return
   m = cfg.model
   D = m.hidden
-  # A lower bound on the parameters without a layout: embedding (and head), each block's query
-  # and output projections and its feed-forward's matrices (a mixture's every expert).
   mlp = 3 * D * m.ffn
   if m.moe is not None:
     mlp = min(mlp, 3 * D * m.moe.expert_ffn * m.moe.experts)
-  params = m.vocab_size * D * (1 if m.tie_embeddings else 2) + m.layers * (
+  at_least = m.vocab_size * D * (1 if m.tie_embeddings else 2) + m.layers * (
       2 * D * m.heads * m.dim_per_head + mlp)
   per_param = 4 + cfg.optim.moment_bytes
-  state = per_param * params
   total = host_limit + (device_limit or 0) * devices_of(cfg)
-  if state > total:
+  if per_param * at_least > total:
+    params = count_params(m)
     raise PlanError(f"does not fit in host memory and device memory together: the weights and "
-                    f"optimizer state alone need at least {state / GiB:,.1f} GiB ({params / 1e9:,.2f}B "
-                    f"params x {per_param} B/param) where {total / GiB:,.1f} GiB are available; use a "
-                    f"smaller model")
+                    f"optimizer state alone need at least {per_param * params / GiB:,.1f} GiB "
+                    f"({params / 1e9:,.2f}B params x {per_param} B/param) where {total / GiB:,.1f} "
+                    f"GiB are available; use a smaller model")
 
 
 def devices_of(cfg: config_lib.Config, available: int | None = None) -> int:
@@ -299,195 +299,340 @@ def devices_of(cfg: config_lib.Config, available: int | None = None) -> int:
   return (available or 1) if cfg.engine.devices == "all" else cfg.engine.devices
 
 
+def with_devices(cfg: config_lib.Config, n: int) -> config_lib.Config:
+  """`cfg` with its data-parallel device count set to `n`."""
+  return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, devices=n))
+
+
 def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, rates: Rates,
           working: dict | None, opt_bytes: dict | None, pinned_cap: int | None,
           grad_queue: int, optimistic: bool = True) -> Plan:
-  m, e, t, o = cfg.model, cfg.engine, cfg.train, cfg.optim
-  nd = devices_of(cfg)  # resolved by the caller
-  spec = models.spec(m)
+  """The plan of one placement (`tiers`, a tier per group) at one gradient queue: its host and
+  device bytes, its roofline terms and its simulated step (both host AdamW rates when
+  `optimistic`; only the pessimistic one otherwise, as the search compares those)."""
+  spec = models.spec(cfg.model)
+  groups = _Groups.of(cfg, spec, tiers, opt_bytes)
+  shape = _PassShape.of(cfg)
+  host = _host_bytes(cfg, groups, shape, rates, grad_queue)
+  device = _device_bytes(cfg, groups, shape, rates, working)
+  step = _step_terms(cfg, spec, groups, shape, rates)
+  if not rates.accelerator:  # the CPU backend's "device" memory is host RAM
+    host.items["device memory (CPU backend: host RAM)"] = sum(device.values())
+  fits = ((host_limit is None or sum(host.items.values()) <= host_limit)
+          and (device_limit is None or sum(device.values()) <= device_limit))
+  # the simulation costs O(layers); a plan that does not fit needs none
+  sched, best = (_simulated(cfg, step.layers, tiers, rates, grad_queue, shape, optimistic)
+                 if fits else (math.inf, math.inf))
   pc = spec.counts
-  P, L = pc["total"], m.layers
-  kinds = [k for _, k in spec.groups]
-  sizes = [pc[k] for k in kinds]
-  ob = [(opt_bytes or {}).get(k, o.moment_bytes * pc[k]) for k in kinds]  # optimizer state bytes per group
-  on = lambda tier: [i for i, tr in enumerate(tiers) if tr == tier]
-  host_g, stream_g, dev_g = on("host"), on("stream"), on("device")
-  act = 2 if e.compute_dtype == "bfloat16" else 4
-  tokens = t.batch * t.seq
-  # train.grad_accum: G passes of batch / G sequences each: activations are one pass's, the
-  # weights cross once per pass, and each group's gradient sum is held between passes
-  G = t.grad_accum
-  pass_batch = t.batch // G
-  clip_held = o.clip_norm and (o.clip_mode == "host_buffer" or G > 1)
-  top = lambda group_sizes, k: sum(sorted(group_sizes, reverse=True)[:k])  # the k largest
-  largest_stream = max((sizes[i] for i in stream_g), default=0)
-  largest_stream_opt = max((ob[i] for i in stream_g), default=0)
-  largest_dev = max((sizes[i] + ob[i] // 4 for i in dev_g), default=0)
-  streamed = [sizes[i] for i in host_g + stream_g]
-  saved_input = pass_batch * t.seq * m.hidden * act  # one block's saved input (all devices)
-  K = e.activations_every
-  kept = -(-L // K)  # blocks whose input the forward keeps
-  spilled = e.activations_on_host(L)  # the first kept inputs wait in pinned host memory
-  # Device figures are the busiest device's: the batch splits evenly, device and stream groups
-  # live on home devices round-robin within their tier (mtjax.store.homes), the rest is replicated.
-  busiest = lambda per_group: max(sum(per_group[k::nd]) for k in range(nd)) if per_group else 0
+  return Plan(pc["total"], tuple(tiers), host.items, device, host.pinned, step.terms, host_limit,
+              device_limit, sched, min(sched, best), working is not None, pinned_cap, grad_queue,
+              devices=groups.devices, activations_every=shape.every,
+              activations_on_host=shape.spilled,
+              device_tier_bytes=sum(groups.state(groups.device)), family=cfg.model.family,
+              active_params=pc["active"], grad_accum=shape.passes, link_bytes=step.link_bytes,
+              disk=disk_bytes(cfg, sum(groups.state(range(len(groups.sizes)))),
+                              len(groups.sizes), pc["total"]))
 
-  host = {
-      "master weights": 4 * sum(streamed),
-      "optimizer state": sum(ob[i] for i in host_g + stream_g),
+
+@dataclasses.dataclass(frozen=True)
+class _Groups:
+  """The layer groups as one placement has them: each group's parameters and optimizer-state
+  bytes, and which groups each tier holds (indices in forward order)."""
+  sizes: list[int]  # parameters per group
+  opt: list[int]  # optimizer-state bytes per group
+  host: list[int]
+  stream: list[int]
+  device: list[int]
+  devices: int  # the data-parallel devices
+
+  @classmethod
+  def of(cls, cfg: config_lib.Config, spec: models.ModelSpec, tiers: list[str],
+         opt_bytes: dict | None) -> _Groups:
+    pc = spec.counts
+    kinds = [k for _, k in spec.groups]
+    opt = [(opt_bytes or {}).get(k, cfg.optim.moment_bytes * pc[k]) for k in kinds]
+    on = lambda tier: [i for i, tr in enumerate(tiers) if tr == tier]
+    return cls([pc[k] for k in kinds], opt, on("host"), on("stream"), on("device"),
+               devices_of(cfg))  # the device count is resolved by the caller
+
+  def params(self, idx) -> int:
+    return sum(self.sizes[i] for i in idx)
+
+  def state(self, idx) -> list[int]:
+    """Each group's fp32 weights and optimizer state, in bytes."""
+    return [4 * self.sizes[i] + self.opt[i] for i in idx]
+
+  def busiest(self, per_group: list[int]) -> int:
+    """The busiest device's share: device and stream groups live on home devices round-robin
+    within their tier (mtjax.store.homes)."""
+    n = self.devices
+    return max(sum(per_group[k::n]) for k in range(n)) if per_group else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _PassShape:
+  """One forward/backward pass as the activations and the link see it (train.grad_accum passes of
+  batch / grad_accum sequences: activations are one pass's, the weights cross once per pass, and
+  each group's gradient sum is held between passes)."""
+  passes: int  # train.grad_accum
+  rows: int  # sequences per pass, all devices together
+  act: int  # bytes per activation element
+  saved_input: int  # one block's saved input, all devices together
+  every: int  # every K-th block's input is kept
+  kept: int  # blocks whose input the forward keeps
+  spilled: int  # of those, the first ones waiting in pinned host memory
+  clip_held: bool  # gradients wait for the global norm (host_buffer, or accumulated ones)
+
+  @property
+  def reruns(self) -> float:
+    """A block's forward runs again in the backward: once, or twice in a re-computed segment."""
+    return 1 + (self.every - 1) / self.every
+
+  @classmethod
+  def of(cls, cfg: config_lib.Config) -> _PassShape:
+    e, t, o, L = cfg.engine, cfg.train, cfg.optim, cfg.model.layers
+    act = 2 if e.compute_dtype == "bfloat16" else 4
+    rows = t.batch // t.grad_accum
+    return cls(t.grad_accum, rows, act, rows * t.seq * cfg.model.hidden * act,
+               e.activations_every, -(-L // e.activations_every), e.activations_on_host(L),
+               bool(o.clip_norm and (o.clip_mode == "host_buffer" or t.grad_accum > 1)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _HostBytes:
+  items: dict[str, int]  # bytes by item
+  pinned: int  # of those, the bytes that must be pinned (the XLA pinned pool holds them)
+
+
+def _largest(group_sizes, k: int) -> int:
+  """The sum of the `k` largest."""
+  return sum(sorted(group_sizes, reverse=True)[:k])
+
+
+def _host_bytes(cfg: config_lib.Config, g: _Groups, shape: _PassShape, rates: Rates,
+                grad_queue: int) -> _HostBytes:
+  G, host_g = shape.passes, g.host
+  largest_stream = max((g.sizes[i] for i in g.stream), default=0)
+  largest_stream_opt = max((g.opt[i] for i in g.stream), default=0)
+  largest_dev = max((g.sizes[i] + g.opt[i] // 4 for i in g.device), default=0)
+  items = {
+      "master weights": 4 * g.params(host_g + g.stream),
+      "optimizer state": sum(g.opt[i] for i in host_g + g.stream),
       # at most grad_queue queued, one being applied, one landing
-      "gradients in flight": 4 * top([sizes[i] for i in host_g], grad_queue + 2),
+      "gradients in flight": 4 * _largest([g.sizes[i] for i in host_g], grad_queue + 2),
       # a host group's gradient held until the norm is known, or its sum between passes
       # (accumulation: the held gradient is the sum, so one buffer serves both)
-      "clip gradient buffer": 4 * sum(sizes[i] for i in host_g) if clip_held and G == 1 else 0,
-      "gradient accumulation sums": 4 * sum(sizes[i] for i in host_g) if G > 1 else 0,
-      "stream staging": 2 * (4 * largest_stream + largest_stream_opt) if stream_g else 0,
-      "device-tier staging (sync, checkpoints)": 4 * largest_dev if dev_g else 0,
-      "activations on host": spilled * saved_input,
+      "clip gradient buffer": 4 * g.params(host_g) if shape.clip_held and G == 1 else 0,
+      "gradient accumulation sums": 4 * g.params(host_g) if G > 1 else 0,
+      "stream staging": 2 * (4 * largest_stream + largest_stream_opt) if g.stream else 0,
+      "device-tier staging (sync, checkpoints)": 4 * largest_dev if g.device else 0,
+      "activations on host": shape.spilled * shape.saved_input,
       "import / export staging (start / end)": hf_staging_bytes(cfg),
       "runtime": RUNTIME_HOST_BYTES if rates.accelerator else RUNTIME_HOST_BYTES_CPU,
       "device-tier host allowance (measured)": int(DEVICE_TIER_HOST_SHARE * sum(
-          4 * sizes[i] + ob[i] for i in dev_g)) if rates.accelerator else 0,
+          g.state(g.device))) if rates.accelerator else 0,
   }
-  pinned = (host["master weights"] + sum(ob[i] for i in stream_g) + host["gradients in flight"]
-            + host["clip gradient buffer"] + host["gradient accumulation sums"]
-            + host["stream staging"]
-            + host["device-tier staging (sync, checkpoints)"] + host["activations on host"])
-  host["pinned pool headroom"] = pinned_pool_bytes(pinned) - pinned if rates.accelerator else 0
+  pinned = (items["master weights"] + sum(g.opt[i] for i in g.stream)
+            + sum(items[k] for k in ("gradients in flight", "clip gradient buffer",
+                                     "gradient accumulation sums", "stream staging",
+                                     "device-tier staging (sync, checkpoints)",
+                                     "activations on host")))
+  items["pinned pool headroom"] = pinned_pool_bytes(pinned) - pinned if rates.accelerator else 0
+  return _HostBytes(items, pinned)
 
+
+def _device_bytes(cfg: config_lib.Config, g: _Groups, shape: _PassShape, rates: Rates,
+                  working: dict | None) -> dict[str, int]:
+  """The busiest device's bytes by item: the batch splits evenly, device and stream groups live
+  on their home devices, the rest is replicated."""
+  e, nd, K = cfg.engine, g.devices, shape.every
+  held = shape.kept - shape.spilled  # kept inputs in device memory
+  on_device = g.stream + g.device
   device = {
-      "weights and optimizer state (device tier)": busiest([4 * sizes[i] + ob[i] for i in dev_g]),
-      "resident weights (stream tier)": busiest([4 * sizes[i] for i in stream_g]),
-      "optimizer state in flight (stream tier)": 2 * 2 * largest_stream_opt,
-      "streamed weights": 4 * top(streamed, e.inflight_layers + 1),
-      "gradients": 4 * top(sizes, 2),
+      "weights and optimizer state (device tier)": g.busiest(g.state(g.device)),
+      "resident weights (stream tier)": g.busiest([4 * g.sizes[i] for i in g.stream]),
+      "optimizer state in flight (stream tier)": 2 * 2 * max((g.opt[i] for i in g.stream),
+                                                             default=0),
+      "streamed weights": 4 * _largest([g.sizes[i] for i in g.host + g.stream],
+                                       e.inflight_layers + 1),
+      "gradients": 4 * _largest(g.sizes, 2),
       # kept inputs in device memory (and two in flight from the host when some are spilled),
       # and with K > 1 one segment's re-computed inputs plus the block's own at the turn between
       # two segments
-      "saved activations": ((kept - spilled + (2 if spilled else 0))
-                            + (K + 1 if K > 1 else 0)) * saved_input // nd,
+      "saved activations": ((held + (2 if shape.spilled else 0))
+                            + (K + 1 if K > 1 else 0)) * shape.saved_input // nd,
       # (accelerators only) the allocator's rounding of the saved inputs in device memory
-      "allocator rounding (measured)": int(SAVED_INPUT_ROUNDING * min(saved_input // nd, 128 * 2**20)
-                                           * (kept - spilled)) if rates.accelerator else 0,
+      "allocator rounding (measured)": int(SAVED_INPUT_ROUNDING * min(
+          shape.saved_input // nd, 128 * 2**20) * held) if rates.accelerator else 0,
       # clip_mode=host_buffer: stream and device groups' gradients (and stream groups' prefetched
       # state) wait on the device until the global norm is known
-      "clip-held gradients": (sum(4 * sizes[i] for i in stream_g + dev_g) * (G == 1)
-                              + busiest([ob[i] for i in stream_g]) if clip_held else 0),
+      "clip-held gradients": (4 * g.params(on_device) * (shape.passes == 1)
+                              + g.busiest([g.opt[i] for i in g.stream])
+                              if shape.clip_held else 0),
       # grad_accum > 1: stream and device groups' gradient sums between passes (and held for
       # the clip)
-      "gradient accumulation sums": sum(4 * sizes[i] for i in stream_g + dev_g) if G > 1 else 0,
+      "gradient accumulation sums": 4 * g.params(on_device) if shape.passes > 1 else 0,
   }
   if working is not None:
-    # The largest executable's temporaries and outputs (its arguments are the items above).
+    # The largest program's temporaries and outputs (its arguments are the items above).
     device["layer executables (compiled)"] = max(w["temp"] + w["output"] for w in working.values())
   else:
-    mb = e.micro_batch or max(1, pass_batch // nd)
-    D, F, V = m.hidden, m.ffn, m.vocab_size
-    if m.moe is not None:  # a token's experts' inner width, and its sorted copies
-      F = max(F, m.moe.experts_per_token * (m.moe.expert_ffn + 2 * D) + m.moe.shared_width)
-    H = m.heads
-    # One block's backward over one micro-batch: its forward re-run under vjp keeps about a dozen
-    # [mb, T, D]-sized and three [mb, T, F]-sized intermediates, and as many cotangents; tiled
-    # over the sequence (engine.seq_tile), about eight [mb, T, D] (input, q, k, v, attention
-    # output, residuals) and one tile's share of the rest.
-    tile = min(e.seq_tile or t.seq, t.seq)
-    layer_acts = 2 * mb * act * (t.seq * (12 * D + 3 * F) if tile == t.seq
-                                 else t.seq * 8 * D + tile * (4 * D + 3 * F))
-    attn = (mb * H * t.seq * 4 * 2 if e.attention != "xla" and e.compute_dtype == "bfloat16"
-            else 3 * mb * H * t.seq * t.seq * 4)  # flash: row stats; XLA: scores, probs, their grad
-    if "cudnn-mask" in attention_kernels(cfg, rates):  # the documents' mask and its bf16 bias
-      attn += 3 * mb * t.seq * t.seq
-    chunk = min(e.loss_chunk, pass_batch * t.seq)
-    device["layer working set (estimated)"] = max(layer_acts + attn + 3 * pass_batch * t.seq * D * act,
-                                                  chunk * V * (4 + 4 + act) + 8 * D * V)
+    device["layer working set (estimated)"] = _working_set(cfg, shape, rates, nd)
+  return device
 
-  D, V = m.hidden, m.vocab_size
-  rerun = 1 + (K - 1) / K  # a block's forward runs again in the backward: once, or twice in a segment
+
+def _working_set(cfg: config_lib.Config, shape: _PassShape, rates: Rates, nd: int) -> int:
+  """The layer programs' largest working set by formula, where XLA's analysis of them is not at
+  hand: one block's backward, or the LM head's loss chunk."""
+  m, e, t, act = cfg.model, cfg.engine, cfg.train, shape.act
+  mb = e.micro_batch or max(1, shape.rows // nd)
+  D, F, V, H = m.hidden, m.ffn, m.vocab_size, m.heads
+  if m.moe is not None:  # a token's experts' inner width, and its sorted copies
+    F = max(F, m.moe.experts_per_token * (m.moe.expert_ffn + 2 * D) + m.moe.shared_width)
+  # One block's backward over one micro-batch: its forward re-run under vjp keeps about a dozen
+  # [mb, T, D]-sized and three [mb, T, F]-sized intermediates, and as many cotangents; tiled over
+  # the sequence (engine.seq_tile), about eight [mb, T, D] (input, q, k, v, attention output,
+  # residuals) and one tile's share of the rest.
+  tile = min(e.seq_tile or t.seq, t.seq)
+  layer_acts = 2 * mb * act * (t.seq * (12 * D + 3 * F) if tile == t.seq
+                               else t.seq * 8 * D + tile * (4 * D + 3 * F))
+  attn = (mb * H * t.seq * 4 * 2 if e.attention != "xla" and e.compute_dtype == "bfloat16"
+          else 3 * mb * H * t.seq * t.seq * 4)  # flash: row stats; XLA: scores, probs, their grad
+  if "cudnn-mask" in attention_kernels(cfg, rates):  # the documents' mask and its bf16 bias
+    attn += 3 * mb * t.seq * t.seq
+  chunk = min(e.loss_chunk, shape.rows * t.seq)
+  return max(layer_acts + attn + 3 * shape.rows * t.seq * D * act,
+             chunk * V * (4 + 4 + act) + 8 * D * V)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Compute:
+  """The device's work in a step."""
+  seconds: float  # the whole step's, every pass's
+  block_fwd_s: list[float]  # each block's forward in one pass
+  head_s: float  # the LM head's loss step in one pass (forward and backward)
+
+
+def _compute(cfg: config_lib.Config, spec: models.ModelSpec, g: _Groups, shape: _PassShape,
+             rates: Rates) -> _Compute:
+  """Matmuls and attention at the machine's rates, the memory-bound head and device updates."""
+  m, e, t = cfg.model, cfg.engine, cfg.train
+  L, D, V, nd, G = m.layers, m.hidden, m.vocab_size, g.devices, shape.passes
+  tokens = t.batch * t.seq
   N, dqk, dv = spec.attention_widths
   # Each layer's attention kernel (as the engine picks it) and its rate on the causal pairs.
-  kernels = attention_kernels(cfg, rates)
   if rates.accelerator:
-    attn_rate = [rates.attention_tflops * kernel_efficiency(k, dqk) for k in kernels]
+    attn_rate = [rates.attention_tflops * kernel_efficiency(k, dqk)
+                 for k in attention_kernels(cfg, rates)]
     causal_pairs = True
   else:  # the CPU backend: XLA's scores whole, plain matmuls at the matmul rate
     attn_rate, causal_pairs = [rates.matmul_tflops] * L, False
   seconds = lambda matmul, attn: (matmul / rates.matmul_tflops + attn) / (nd * 1e12)
   # each block's matrix parameters a token uses, and its attention in the forward: FLOPs / rate
+  kinds = [k for _, k in spec.groups]
   block_matmul = [spec.matmul_params(kinds[i + 1]) for i in range(L)]
   attn_fwd = [2 * N * (dqk + dv) * spec.attention_pairs(i, t.batch, t.seq, causal_pairs)
               / attn_rate[i] for i in range(L)]
-  # forward, its re-runs, backward (2x the forward): matmuls and causal attention
-  # the LM head: forward and backward; a pair objective (dpo) runs its forward once more first
-  head_flops = (8 if t.objective == "dpo" else 6) * D * V * tokens
+  # the LM head: forward and backward, and the objective's extra forwards (dpo: one, first)
+  head_flops = (6 + 2 * objectives.get(t).head_forwards) * D * V * tokens
   # its memory traffic: the logits' passes, and each chunk's pass over the head's weights (every
   # device holds them whole)
-  chunks = G * -(-pass_batch * t.seq // min(e.loss_chunk, pass_batch * t.seq))
+  chunks = G * -(-shape.rows * t.seq // min(e.loss_chunk, shape.rows * t.seq))
   head_mem_s = (HEAD_LOGIT_BYTES * V * tokens / nd + HEAD_CHUNK_BYTES * V * D * chunks) / (
       rates.hbm_gbps * 1e9)
-  compute_s = (seconds((6 + 2 * rerun) * sum(block_matmul) * tokens + head_flops,
-                       (3 + rerun) * sum(attn_fwd)) + head_mem_s
-               + DEVICE_UPDATE_BYTES * sum(sizes[i] for i in stream_g + dev_g) / (rates.hbm_gbps * 1e9))
-  saved_link = spilled * saved_input
-  # Host groups' weights cross twice (forward, backward; the embedding's backward needs none),
-  # stream groups' optimizer state crosses both ways, device groups cross nothing. With G passes
-  # the weights and the saved inputs cross G times, a host group's gradient comes out G times and
-  # its sum goes in G - 1 times.
-  twice = lambda i: 1 + rerun if 0 < i <= L else 1  # blocks' re-runs fetch their weights again
-  h2d = (G * (sum(4 * sizes[i] * twice(i) for i in host_g) + saved_link)
-         + (G - 1) * 4 * sum(sizes[i] for i in host_g) + sum(ob[i] for i in stream_g))
-  d2h = G * (4 * sum(sizes[i] for i in host_g) + saved_link) + sum(ob[i] for i in stream_g)
-  host_updated = sum(sizes[i] for i in host_g)
-  step_s = {
-      "compute": compute_s,
-      "host->device": h2d / (rates.h2d_gbps * 1e9),
-      "device->host": d2h / (rates.d2h_gbps * 1e9),
-      "host optimizer": host_updated / (rates.host_adamw_gparams * 1e9),
-  }
+  # forward, its re-runs, backward (2x the forward): matmuls and causal attention
+  rerun = shape.reruns
+  total = (seconds((6 + 2 * rerun) * sum(block_matmul) * tokens + head_flops,
+                   (3 + rerun) * sum(attn_fwd)) + head_mem_s
+           + DEVICE_UPDATE_BYTES * g.params(g.stream + g.device) / (rates.hbm_gbps * 1e9))
   # the schedule's layers are one pass's (simulate runs G of them per step)
   block_fwd = [seconds(2 * block_matmul[i] * tokens, attn_fwd[i]) / G for i in range(L)]
-  layers = [Layer(sizes[0], 0.0, 0.0, 0)]
+  return _Compute(total, block_fwd, (seconds(head_flops, 0) + head_mem_s) / G)
+
+
+def _link_bytes(g: _Groups, shape: _PassShape) -> tuple[int, int]:
+  """(host->device, device->host) bytes of a step. Host groups' weights cross twice (forward,
+  backward; the embedding's backward needs none), stream groups' optimizer state crosses both
+  ways, device groups cross nothing. With G passes the weights and the saved inputs cross G
+  times, a host group's gradient comes out G times and its sum goes in G - 1 times."""
+  G, blocks = shape.passes, len(g.sizes) - 2
+  saved = shape.spilled * shape.saved_input
+  # blocks' re-runs fetch their weights again
+  fetches = lambda i: 1 + shape.reruns if 0 < i <= blocks else 1
+  stream_opt = sum(g.opt[i] for i in g.stream)
+  h2d = (G * (sum(4 * g.sizes[i] * fetches(i) for i in g.host) + saved)
+         + (G - 1) * 4 * g.params(g.host) + stream_opt)
+  d2h = G * (4 * g.params(g.host) + saved) + stream_opt
+  return h2d, d2h
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+  terms: dict[str, float]  # the roofline's lower-bound terms, seconds
+  layers: list[Layer]  # one pass's groups as the schedule simulates them
+  link_bytes: int  # bytes that cross between host and device in a step, both ways
+
+
+def _step_terms(cfg: config_lib.Config, spec: models.ModelSpec, g: _Groups, shape: _PassShape,
+                rates: Rates) -> _Step:
+  """The step's roofline terms, and the layers the schedule simulates."""
+  work = _compute(cfg, spec, g, shape, rates)
+  h2d, d2h = _link_bytes(g, shape)
+  terms = {
+      "compute": work.seconds,
+      "host->device": h2d / (rates.h2d_gbps * 1e9),
+      "device->host": d2h / (rates.d2h_gbps * 1e9),
+      "host optimizer": g.params(g.host) / (rates.host_adamw_gparams * 1e9),
+  }
+  K = shape.every
+  layers = [Layer(g.sizes[0], 0.0, 0.0, 0)]
   # A block whose input was not kept has its forward re-run in the backward: (K-1)/K of them.
-  layers += [Layer(sizes[i + 1], block_fwd[i], (2 + rerun) * block_fwd[i],
-                   saved_input if i % K == 0 and i // K < spilled else 0) for i in range(L)]
-  head_s = (seconds(head_flops, 0) + head_mem_s) / G
-  layers += [Layer(sizes[-1], head_s, 0.0, 0)]
-  if not rates.accelerator:  # the CPU backend's "device" memory is host RAM
-    host["device memory (CPU backend: host RAM)"] = sum(device.values())
-  fits = ((host_limit is None or sum(host.values()) <= host_limit)
-          and (device_limit is None or sum(device.values()) <= device_limit))
-  if fits:  # the simulation costs O(layers); a plan that does not fit needs none
-    clip = ("host_buffer" if clip_held else o.clip_mode) if o.clip_norm else None
-    sched = simulate(layers, tiers, rates, e.inflight_layers, grad_queue, clip=clip, passes=G,
-                     moment_bytes=o.moment_bytes)
-    best = dataclasses.replace(rates,
-                               host_adamw_in_step_gparams=rates.host_adamw_in_step_best_gparams)
-    sched_best = (simulate(layers, tiers, best, e.inflight_layers, grad_queue, clip=clip,
-                           passes=G, moment_bytes=o.moment_bytes) if optimistic else sched)
-  else:
-    sched = sched_best = math.inf
-  return Plan(P, tuple(tiers), host, device, pinned, step_s, host_limit, device_limit, sched,
-              min(sched, sched_best), working is not None, pinned_cap, grad_queue, devices=nd,
-              activations_every=K, activations_on_host=spilled,
-              device_tier_bytes=sum(4 * sizes[i] + ob[i] for i in dev_g), family=m.family,
-              active_params=pc["active"], grad_accum=G, link_bytes=h2d + d2h,
-              disk=disk_bytes(cfg, sum(4 * n for n in sizes) + sum(ob), len(sizes), P))
+  layers += [Layer(g.sizes[i + 1], fwd, (2 + shape.reruns) * fwd,
+                   shape.saved_input if i % K == 0 and i // K < shape.spilled else 0)
+             for i, fwd in enumerate(work.block_fwd_s)]
+  layers += [Layer(g.sizes[-1], work.head_s, 0.0, 0)]
+  return _Step(terms, layers, h2d + d2h)
 
 
-CHECKPOINT_FILE_BYTES = 64 * 2**10  # orbax's metadata files per layer group (a bound; ~20 KiB seen)
+def _simulated(cfg: config_lib.Config, layers: list[Layer], tiers: list[str], rates: Rates,
+               grad_queue: int, shape: _PassShape, optimistic: bool) -> tuple[float, float]:
+  """The engine's schedule simulated: (at the in-step host AdamW rate, at the best one measured;
+  the first twice unless `optimistic`)."""
+  e, o = cfg.engine, cfg.optim
+  clip = ("host_buffer" if shape.clip_held else o.clip_mode) if o.clip_norm else None
+  run = lambda r: simulate(layers, tiers, r, e.inflight_layers, grad_queue, clip=clip,
+                           passes=shape.passes, moment_bytes=o.moment_bytes)
+  sched = run(rates)
+  if not optimistic:
+    return sched, sched
+  return sched, run(dataclasses.replace(
+      rates, host_adamw_in_step_gparams=rates.host_adamw_in_step_best_gparams))
+
+
+CHECKPOINT_FILE_BYTES = 64 * 2**10  # orbax's metadata files per layer group (a bound)
 EXPORT_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def disk_bytes(cfg: config_lib.Config, state_bytes: int, groups: int, params: int) -> dict[str, int]:
-  """Disk bytes of the run's files: one checkpoint (every group's weights and optimizer state,
-  uncompressed: a bound, as orbax's compression of trained weights gains little), the most
-  checkpoints on disk at once (train.keep_checkpoints committed plus the one being written, or
-  every save when keep is 0) and a Hugging Face export at train.export_dtype."""
+  """Disk bytes of the files the run writes, each item only where the run writes it.
+
+  With train.checkpoint_dir: one checkpoint (every group's weights and optimizer state,
+  uncompressed: a bound, as orbax's compression of trained weights gains little) and the most on
+  disk at once: the run saves every train.checkpoint_every steps and at its last step (one save
+  where the two coincide), and holds train.keep_checkpoints committed plus the one being written
+  (every save when keep is 0). With train.export_dir: a Hugging Face export at train.export_dtype.
+  """
   t = cfg.train
-  one = state_bytes + CHECKPOINT_FILE_BYTES * (groups + 1)
-  saves = (t.steps // t.checkpoint_every if t.checkpoint_every else 0) + 1  # the final one too
-  at_once = min(t.keep_checkpoints + 1, saves) if t.keep_checkpoints else saves
-  return {"one checkpoint": one, "checkpoints at once": at_once, "checkpoints kept": at_once * one,
-          "export": params * EXPORT_DTYPE_BYTES[t.export_dtype] + 2**20}  # + config, tokenizer
+  out = {}
+  if t.checkpoint_dir:
+    one = state_bytes + CHECKPOINT_FILE_BYTES * (groups + 1)
+    saves = -(-t.steps // t.checkpoint_every) if t.checkpoint_every else 1
+    at_once = min(t.keep_checkpoints + 1, saves) if t.keep_checkpoints else saves
+    out.update({"one checkpoint": one, "checkpoints at once": at_once,
+                "checkpoints kept": at_once * one})
+  if t.export_dir:
+    out["export"] = params * EXPORT_DTYPE_BYTES[t.export_dtype] + 2**20  # + config, tokenizer
+  return out
 
 
 def check(plan: Plan) -> None:
@@ -508,7 +653,8 @@ def check(plan: Plan) -> None:
     raise PlanError(
         f"does not fit in the pinned host pool: needs {pinned_pool_bytes(plan.pinned) / GiB:.1f} "
         f"GiB, cap {plan.pinned_cap / GiB:.1f} GiB (set before the backend started); call "
-        f"mtjax.plan.prepare before anything touches jax, or set XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")
+        f"mtjax.launch.plan_run before anything touches jax, or set "
+        f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")
   if not plan.fits_device:
     top = max(plan.device, key=plan.device.get)
     raise PlanError(
@@ -520,19 +666,11 @@ def check(plan: Plan) -> None:
 
 
 # Each attention kernel's rate, forward and backward, as a share of cuDNN's fused kernel on plain
-# causal rows of 128-wide heads (rates.attention_tflops), from one H100 at 8 x 2048 tokens, 32
-# heads of 128, every kernel side by side (benchmarks/attention_kernels.py; the rows in
-# benchmarks/results/h100/attention/attention.json):
-# - cuDNN at 16 heads of 256 (the same FLOPs): 3.41 ms, 0.86;
-# - cuDNN with packed documents as a mask computes every causal pair and reads the mask's bias:
-#   2.93 -> 4.89 ms, 0.60;
-# - the blockwise kernel: 15.70 ms, 0.19 (16 heads of 256: 0.24);
-# - XLA's scores-whole attention is bound by its [B, N, T, T] fp32 scores' traffic, 32.6 ps a
-#   score at widths 128 and 256 (35.05 and 16.58 ms), a share of width / 1530.
-# Below 128 the kernels cost about as much per score as at 128 (softmax, not matmuls), so their
-# share on FLOPs falls with the width: cuDNN with a mask at 64 wide, 8 x 1024, 0.32 (0.60 x 64/128
-# = 0.30); the blockwise kernel there 0.079 (width / 700 = 0.091). Not modelled: a sliding window
-# costs cuDNN 1.6x its pairs' share (gemma3-window).
+# causal rows of 128-wide heads (rates.attention_tflops), fitted to every kernel timed side by side
+# on one H100 (benchmarks/attention_kernels.py; the rows and the shares: docs/performance.md, the
+# planner's constants). Below 128 the kernels cost about as much per score as at 128 (softmax, not
+# matmuls), so their share on FLOPs falls with the width; XLA's scores-whole attention is bound by
+# its [B, N, T, T] fp32 scores' traffic. Not modelled: a sliding window.
 MASK_SHARE = 0.60
 WIDE_SHARE = 0.86  # cuDNN's share at heads wider than 128 (256)
 BLOCKWISE_WIDTH = 700  # the blockwise kernel's share: width / 700, at most BLOCKWISE_MAX_SHARE
@@ -541,7 +679,7 @@ XLA_WIDTH = 1530  # XLA's share: width / 1530
 
 
 def kernel_efficiency(kernel: str, head_width: int) -> float:
-  """The kernel's share of the fused rate on the causal pairs (the figures above)."""
+  """The kernel's share of the fused rate on the causal pairs (the shares above)."""
   fused = min(1.0, head_width / 128) if head_width <= 128 else WIDE_SHARE
   return {"cudnn": fused, "cudnn-mask": MASK_SHARE * fused,
           "blockwise": min(BLOCKWISE_MAX_SHARE, head_width / BLOCKWISE_WIDTH),
@@ -549,9 +687,9 @@ def kernel_efficiency(kernel: str, head_width: int) -> float:
 
 
 def carries_documents(cfg: config_lib.Config) -> bool:
-  """Whether the run's batches carry document ids (a mask the attention keeps to): prepared data,
-  packed or padded, except preference pairs."""
-  return cfg.data.source == "prepared" and cfg.train.objective != "dpo"
+  """Whether the run's batches carry document ids (a mask the attention keeps to): the
+  objective's answer (prepared documents, packed or padded, do; preference pairs do not)."""
+  return objectives.get(cfg.train).carries_documents(cfg.data)
 
 
 def attention_kernels(cfg: config_lib.Config, rates: Rates) -> list[str]:
