@@ -17,8 +17,9 @@ Candidates (IMPLS; `--impls` picks, `all` adds EXTRA):
   attention's widths through jax's cuDNN call beneath it (jax.nn wants v as wide as k).
 - `cudnn-packed`: cuDNN's packed layout, each row's documents as offsets and lengths (Hopper).
 - `pallas`: jax's Triton flash attention (segment ids; k and v repeated per query head).
-- `mgpu`: jax's Mosaic GPU flash attention (Hopper; q pre-scaled, as it takes no scale). Its
-  backward takes no causal mask, so its rows hold the forward alone.
+- `mgpu`: jax's Mosaic GPU flash attention (Hopper; q pre-scaled, as it takes no scale; float16
+  operands, as its shared-memory buffers are). Its backward takes no causal mask, so its rows hold
+  the forward alone.
 - `xla` (mtjax.attention.dense_attention, the scores whole) and `blockwise`
   (mtjax.attention.blockwise_attention): the project's own, held to the bound (exit code 1).
 - `tokamax-mosaic`, `tokamax-triton`, `tokamax-xla-chunked` (EXTRA: `tokamax-cudnn`,
@@ -312,13 +313,22 @@ def pallas_kernel(c: Case, scale, segs):
 
 
 def mgpu_kernel(c: Case, scale):
-  """jax's Mosaic GPU flash attention (plain causal; its backward takes no causal mask)."""
+  """jax's Mosaic GPU flash attention (plain causal; its backward takes no causal mask).
+
+  It takes no scale (q is scaled before it) and its shared-memory buffers are float16, so q, k
+  and v go in as float16 and the output comes back in q's dtype.
+  """
   from jax.experimental.pallas.ops.gpu import attention_mgpu as am  # noqa: PLC0415
   cfg = am.TuningConfig(block_q=64, block_kv=64 if c.H >= 256 else 128, max_concurrent_steps=2,
                         causal=True, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64,
                         block_kv_dq=64)
+
+  def operands(q, k, v):
+    f16 = lambda x: x.astype(jnp.float16)
+    return f16(q * scale), f16(k), f16(pad_width(v, c.H))
+
   if not c.sinks:
-    return lambda q, k, v: am.attention(q * scale, k, pad_width(v, c.H), cfg)[..., :c.Hv]
+    return lambda q, k, v: am.attention(*operands(q, k, v), cfg)[..., :c.Hv].astype(q.dtype)
 
   def fwd(q, k, v):  # its lse is in base 2
     out, (lse2,) = am._attention_forward(q, k, v, cfg, save_residuals=True)
@@ -328,7 +338,7 @@ def mgpu_kernel(c: Case, scale):
     q, k, v, lse2 = res
     return am._attention_bwd(cfg, False, (q, k, v, out, lse2), dout)
   f = with_sinks(fwd, bwd)
-  return lambda q, k, v, sinks_N: f(q * scale, k, pad_width(v, c.H), sinks_N)[..., :c.Hv]
+  return lambda q, k, v, sinks_N: f(*operands(q, k, v), sinks_N)[..., :c.Hv].astype(q.dtype)
 
 
 def tokamax_kernel(name, c: Case):
