@@ -16,6 +16,8 @@ BENCH = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCH))
 import bench  # noqa: E402
 
+from mtjax import exits  # noqa: E402
+
 TINY = ROOT / "configs" / "tiny.yaml"
 FIELDS = {"system", "params", "hidden", "layers", "batch", "seq", "step_s", "tokens_per_s",
           "model_tflops", "hw_tflops", "host_bytes_per_param", "device_peak_gib", "h2d_gbps",
@@ -30,7 +32,8 @@ SMOKES = {"bench.py": "test_bench_smoke_runs_every_system_and_records_the_fields
           "finetune.py": "test_finetune_smoke_exports_what_transformers_reads_back",
           "recipes.py": "test_recipes_smoke_runs_sft_dpo_and_accumulation",
           "h200.sh": "test_h200_dry_run_names_existing_scripts_and_configs",
-          "deepspeed_wheels.sh": None}  # builds wheels from the network: nothing to smoke
+          "deepspeed_wheels.sh": None,  # builds wheels from the network: nothing to smoke
+          "attention_wheels.sh": None}  # downloads wheels from the network: nothing to smoke
 
 
 def test_every_benchmark_script_has_a_smoke_test():
@@ -145,20 +148,38 @@ def test_moe_kernels_smoke_checks_each_implementation_against_float32(tmp_path):
 
 
 def test_attention_kernels_smoke_checks_each_kernel_against_float32(tmp_path):
+  """Every (variant, candidate) gets a row; the measured ones (sinks through the Triton kernel's
+  lse, in Pallas's interpreter, and v padded for the latent widths included) match float32."""
   import attention_kernels  # noqa: PLC0415
   out = tmp_path / "attention.json"
   assert attention_kernels.main(["--smoke", "--out", str(out)]) == 0
   rows = json.loads(out.read_text())
-  assert {(r["variant"], r["impl"]) for r in rows} == {
-      (v, i) for v in attention_kernels.SMOKE for i in ("xla", "blockwise")}
-  for r in rows:  # fp32 on the CPU: the two kernels sum in another order, nothing more
-    assert r["ms"] > 0 and r["rel_err"] < 1e-5, r
+  assert [(r["variant"], r["impl"]) for r in rows] == [
+      (v, i) for v in attention_kernels.SMOKE for i in ("xla", "blockwise", "pallas")]
+  skipped = {(r["variant"], r["impl"]): r["skip"] for r in rows if "skip" in r}
+  assert skipped == {("tiny-softcap", "pallas"): "jax's Triton kernel: causal and segment ids only"}
+  for r in rows:  # fp32 on the CPU: the kernels sum in another order, nothing more
+    if "skip" not in r:
+      assert r["ok"] and r["fwd_ms"] > 0 and r["ms"] > 0 and r["rel_err"] < 1e-5, r
+      assert set(r["errors"]) == {"out", "dq", "dk", "dv"} | ({"dsinks"} if "sinks" in r else set())
   # the pairs a query sees: causal, cut by documents and by the window, counted by hand
   seg = attention_kernels.documents(1, 6, 2, seed=1)
   cut = seg[0].tolist().index(2)
   assert attention_kernels.visible_pairs(1, 6, seg, None) == (
       cut * (cut + 1) // 2 + (6 - cut) * (7 - cut) // 2)
   assert attention_kernels.visible_pairs(2, 6, None, 2) == 2 * (1 + 2 * 5)
+  assert attention_kernels.document_starts(np.array([[1, 1, 2, 2, 2, 3]])).tolist() == [
+      [0, 0, 2, 2, 2, 5]]
+  # latent widths: q.k over 192, p.v over 128 (forward); 3 x 192 + 2 x 128 in the backward
+  mla = attention_kernels.case_of(1, 4, 2, 2, 192, {"hv": 128})
+  assert attention_kernels.flops(mla) == (2 * 2 * 10 * (192 + 128), 2 * 2 * 10 * (3 * 192 + 256))
+
+
+def test_attention_kernels_refuses_an_unknown_candidate_in_one_line(capsys):
+  import attention_kernels  # noqa: PLC0415
+  assert attention_kernels.main(["--smoke", "--impls", "xla,flash"]) == exits.BAD_INPUT
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("attention_kernels: unknown candidate 'flash'"), err
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
