@@ -6,8 +6,9 @@ matmul chain of the same FLOPs.
 For each expert shape (Qwen3-30B-A3B, GPT-OSS-20B, Mixtral) and routing (balanced; skewed, the
 hottest expert getting 8x the mean), the experts' SwiGLU MLP (gate and up [E, D, F], down
 [E, F, D]) forward and backward is timed per implementation: `mosaic` (jax's Pallas Mosaic-GPU
-ragged-dot kernels, mtjax.models.grouped), `ragged` (XLA's jax.lax.ragged_dot: E times the work on
-the GPU), and the `dense` chain (one [D, F] matrix for every row: the same FLOPs, the ceiling).
+ragged-dot kernels, mtjax.models.grouped), `tokamax-mosaic` and `tokamax-triton` (tokamax's
+ragged_dot implementations, with their own VJPs; wheels: benchmarks/attention_wheels.sh), `ragged`
+(XLA's jax.lax.ragged_dot: E times the work on the GPU), and the `dense` chain (one [D, F] matrix for every row: the same FLOPs, the ceiling).
 Useful TFLOP/s count the real (token, expert) rows only: 3 matmuls x 2 x rows x D x F forward,
 twice that backward. Correctness: each implementation's output and gradients against float32
 (every expert on every row, each row keeping its own expert's) on a slice of the rows (bf16
@@ -51,11 +52,26 @@ def routing(tokens, E, k, skew, seed=0):
   return order, sizes
 
 
+TOKAMAX = {"tokamax-mosaic": "mosaic", "tokamax-triton": "triton"}
+
+
+def tokamax_ragged_dot(name):
+  """tokamax's ragged_dot with one implementation, or raises where it is absent."""
+  sys.path.insert(0, str(Path(__file__).resolve().parent))
+  from attention_kernels import _xprof_placeholder  # noqa: PLC0415 - tokamax imports xprof
+  _xprof_placeholder()
+  import tokamax  # noqa: PLC0415 - a wheel on the GPU machine only
+  return lambda a, w, sizes: tokamax.ragged_dot(a, w, sizes, implementation=name)
+
+
 def expert_mlp(impl):
   def f(x_MxD, wg, wu, wd, sizes):
     if impl == "mosaic":
       from mtjax.models import grouped  # noqa: PLC0415 - Mosaic-GPU: on a GPU only
       mm = lambda a, w: grouped.grouped_matmul(a, w, sizes)
+    elif impl in TOKAMAX:
+      rd = tokamax_ragged_dot(TOKAMAX[impl])
+      mm = lambda a, w: rd(a, w, sizes)
     else:
       mm = lambda a, w: moe.grouped_matmul(a, w, sizes, impl)
     h = jax.nn.silu(mm(x_MxD, wg)) * mm(x_MxD, wu)
@@ -123,7 +139,7 @@ def main(argv=None) -> int:
   shapes = SMOKE if args.smoke else SHAPES
   if args.shapes:
     shapes = {k: SHAPES[k] for k in args.shapes.split(",")}
-  impls = ["dense", "ragged"] + (["mosaic"] if gpu else [])
+  impls = ["dense", "ragged"] + (["mosaic", *TOKAMAX] if gpu else [])
   rows = []
   for name, shape in shapes.items():
     tokens, E, k, D, F = shape
