@@ -10,6 +10,7 @@ loads back into the same logits.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import jax
@@ -22,6 +23,31 @@ import mtjax
 from mtjax import cli, data, engine as engine_lib, hf, models, plan, store as store_lib
 from mtjax.models.layers import token_nll
 from numerics import assert_close, errors
+
+def covers(*families: str):
+  """Marks a test as the one holding these families to transformers; the test fails unless it
+  imports a checkpoint of one of them (through `mtjax.load_hf`), and tests/test_hf.py fails while
+  a registered family has no such test."""
+  def mark(test):
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+      seen, load_hf = [], mtjax.load_hf
+
+      def recorded(path):
+        cfg, params = load_hf(path)
+        seen.append(cfg.family)
+        return cfg, params
+
+      mtjax.load_hf = recorded
+      try:
+        test(*args, **kwargs)
+      finally:
+        mtjax.load_hf = load_hf
+      assert seen and set(seen) <= set(families), (families, seen)
+    run.families = families
+    return run
+  return mark
+
 
 # Parameters whose transformers init is a constant (norms at 1 or 0, biases at 0, sinks, score
 # correction biases): moved off it, so a wrong offset or a dropped bias cannot hide.
@@ -228,7 +254,10 @@ def check_export(cfg, params, tmp: Path, dtype: str = "float32", source: Path | 
 
 def feature_matters(cfg, params, T: int = 12, factor: float = 100.0, **change) -> float:
   """How far the logits move when the config is changed (a feature turned off), relative L2; it
-  must exceed `factor` times the parity bound for the parity tests to have tested the feature."""
+  must exceed `factor` times the parity bound for the parity tests to have tested the feature.
+  A section's change is a dict of its fields (`rope=dict(truncate=True)`)."""
+  change = {k: dataclasses.replace(getattr(cfg, k), **v) if isinstance(v, dict) else v
+            for k, v in change.items()}
   ids = token_ids(cfg.vocab_size, T=T)
   base = forward(cfg, params, ids)
   other = forward(dataclasses.replace(cfg, **change), params, ids)

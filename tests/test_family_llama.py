@@ -18,6 +18,7 @@ WINDOWED = {
 
 
 @pytest.mark.parametrize("family", list(WINDOWED))
+@parity.covers("mistral", "qwen2")
 def test_sliding_windows_equal_transformers(tmp_path, family):
   parity.save_tiny(WINDOWED[family](), tmp_path / "src")
   cfg, params, _ = parity.check_logits_and_gradients(tmp_path / "src")

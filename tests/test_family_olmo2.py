@@ -41,12 +41,13 @@ def _moves(cfg, params, other_cfg, other_params, factor: float = 100.0) -> float
   return moved
 
 
+@parity.covers("olmo2")
 def test_olmo2_equals_transformers(saved):
   d = saved
   cfg, params, _ = parity.check_logits_and_gradients(d / "src")
   assert (cfg.family, cfg.norm_position, cfg.qk_norm, cfg.qk_norm_scope) == (
       "olmo2", "post", True, "all")
-  assert (cfg.rope_theta, cfg.norm_eps) == (5e5, 1e-6)
+  assert (cfg.rope.theta, cfg.norm_eps) == (5e5, 1e-6)
   parity.feature_matters(cfg, params, qk_norm=False)
 
   # Per head instead of over the whole projection, with the same scale for each head's channels:

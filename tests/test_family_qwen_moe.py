@@ -54,6 +54,7 @@ FEATURES = {
 }
 
 
+@parity.covers("qwen2_moe", "qwen3_moe")
 def test_qwen_moe_equals_transformers(saved, tmp_path):
   family, d = saved
   cfg, params, want = parity.check_logits_and_gradients(d, aux_coef=COEF)
