@@ -104,6 +104,7 @@ def test_readme_functional_api_example_runs(tmp_path):
   transformers.LlamaForCausalLM(hf).save_pretrained(tmp_path)
   code = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
   scope = {}
+  # The README's own code, as a reader would paste it.
   exec(textwrap.dedent(code).replace('"MODEL"', repr(str(tmp_path))), scope)  # noqa: S102
   assert scope["logits"].shape == (1, 4, 64)
   names = scope["tensors"]

@@ -10,15 +10,17 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
+import mtjax
+from mtjax import hf, models
+from mtjax.config import ModelConfig
+from mtjax.models import mla, moe
+from numerics import REL_L2, assert_close, errors
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import mtjax  # noqa: E402
+# After the skip: the parity harness imports torch and transformers.
 import parity  # noqa: E402
-from mtjax import hf, models  # noqa: E402
-from mtjax.config import ModelConfig  # noqa: E402
-from mtjax.models import mla, moe  # noqa: E402
-from numerics import REL_L2, assert_close, errors  # noqa: E402
 
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
             mscale=0.707, mscale_all_dim=1.0, beta_fast=32, beta_slow=1)
@@ -96,9 +98,9 @@ def test_equals_transformers(saved, tmp_path, torch_names, family):
   if family == "deepseek_v3":  # the engine runs V2's layers through the same code
     # Adam's first step is lr * g / (|g| + eps): a gradient's fp32 rounding dg (about 1e-7 of its
     # tensor's largest, up to a few 1e-6 here) moves it by up to lr * dg / (4 eps). At eps = 1e-8
-    # the elements with |g| near 1e-8, which tensors of this size hold, step by their rounding
-    # (0.13 lr seen), beyond the harness's 1e-3 lr; at 1e-2 (on both sides) the step is a smooth
-    # function of the gradient.
+    # the elements with |g| near 1e-8, which tensors of this size hold, step by their rounding,
+    # beyond the harness's 1e-3 lr; at 1e-2 (on both sides) the step is a smooth function of the
+    # gradient.
     parity.check_adamw_step(src, eps=1e-2)
     for name, value in bias.items():  # AdamW (no decay on vectors) leaves it as imported
       np.testing.assert_array_equal(torch_names[-1][name], value)

@@ -15,13 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import mtjax
+from mtjax import hf, models
+from numerics import assert_close
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import mtjax  # noqa: E402
+# After the skip: the parity harness imports torch and transformers.
 import parity  # noqa: E402
-from mtjax import hf, models  # noqa: E402
-from numerics import assert_close  # noqa: E402
 
 SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,

@@ -4,21 +4,22 @@ router with a bias, clamped-SwiGLU experts with biases, and MXFP4 expert weights
 
 import json
 
+import flax.linen as nn
+import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors.numpy
+
+import mtjax
+from mtjax import hf, models
+from mtjax.config import ModelConfig
+from mtjax.models import FamilyError, gpt_oss, moe
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import flax.linen as nn  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import safetensors.numpy  # noqa: E402
-
-import mtjax  # noqa: E402
+# After the skip: the parity harness imports torch and transformers.
 import parity  # noqa: E402
-from mtjax import hf, models  # noqa: E402
-from mtjax.config import ModelConfig  # noqa: E402
-from mtjax.models import FamilyError, gpt_oss, moe  # noqa: E402
 
 AUX = 0.5  # router_aux_loss_coef: large enough that a wrong load-balancing loss shows in the loss
 CONFIG = dict(
@@ -165,6 +166,7 @@ def test_write_config_needs_experts():
 
 
 def test_mxfp4_unpacking_equals_transformers_bit_for_bit():
+  # transformers' MXFP4 integration, imported by the one test that compares against it.
   from transformers.integrations.mxfp4 import convert_moe_packed_tensors  # noqa: PLC0415
   rng = np.random.default_rng(0)
   blocks = rng.integers(0, 256, (3, 40, 8, 16), dtype=np.uint8)

@@ -6,6 +6,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+# After the skip: the parity harness imports torch and transformers.
 import parity  # noqa: E402
 
 SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,

@@ -8,14 +8,16 @@ import shutil
 import numpy as np
 import pytest
 
+import mtjax
+from mtjax import hf
+from mtjax.models import FamilyError, read_hf_config
+from numerics import REL_L2, errors
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import mtjax  # noqa: E402
+# After the skip: the parity harness imports torch and transformers.
 import parity  # noqa: E402
-from mtjax import hf  # noqa: E402
-from mtjax.models import FamilyError, read_hf_config  # noqa: E402
-from numerics import REL_L2, errors  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -8,16 +8,18 @@ import shutil
 import numpy as np
 import pytest
 
+import mtjax
+from mtjax import hf
+from mtjax.config import ModelConfig
+from mtjax.models import FamilyError, read_hf_config
+from mtjax.models.layers import rope_inv_freq
+from numerics import assert_close
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import mtjax  # noqa: E402
+# After the skip: the parity harness imports torch and transformers.
 import parity  # noqa: E402
-from mtjax import hf  # noqa: E402
-from mtjax.config import ModelConfig  # noqa: E402
-from mtjax.models import FamilyError, read_hf_config  # noqa: E402
-from mtjax.models.layers import rope_inv_freq  # noqa: E402
-from numerics import assert_close  # noqa: E402
 
 ORIG = 8  # original_max_position_embeddings: a 12-token sequence is long, a 6-token one short
 LONG_T, SHORT_T = 12, 6

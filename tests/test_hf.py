@@ -12,15 +12,17 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
+import mtjax
+from mtjax import cli, hf, models
+from mtjax.config import ModelConfig
+from mtjax.models.layers import token_nll
+from numerics import assert_close, errors, REL_L2, REL_MAX
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import mtjax  # noqa: E402
+# After the skip: the parity harness imports torch and transformers.
 import parity  # noqa: E402
-from mtjax import cli, hf, models  # noqa: E402
-from mtjax.config import ModelConfig  # noqa: E402
-from mtjax.models.layers import token_nll  # noqa: E402
-from numerics import assert_close, errors, REL_L2, REL_MAX  # noqa: E402
 
 BASE = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, intermediate_size=48, initializer_range=0.2)
@@ -397,7 +399,7 @@ def test_import_holds_at_most_one_tensor_beside_the_state(tmp_path, dtype):
 
 
 def test_engine_gradients_on_an_imported_model_match_torch(tmp_path):
-  from mtjax import config, data, engine, plan, store as store_lib
+  from mtjax import data, engine, plan, store as store_lib
   build("qwen3", tmp_path / "src")
   cfg = cli.load_config(None, [f"model.from_hf={tmp_path / 'src'}", "engine.compute_dtype=float32",
                            "engine.device_state_layers=1", "engine.device_update_layers=1",
@@ -425,7 +427,7 @@ def test_engine_gradients_on_an_imported_model_match_torch(tmp_path):
 def test_fine_tune_from_hf_exports_a_model_transformers_loads(tmp_path):
   import subprocess
   import sys
-  from mtjax import checkpoint, config, store as store_lib, train
+  from mtjax import checkpoint, store as store_lib, train
   src = tmp_path / "src"
   build("llama3", src)
   for name, text in TOKENIZER.items():
@@ -472,7 +474,7 @@ def test_export_keeps_the_source_identity_from_any_directory(tmp_path, monkeypat
   import shutil
   import subprocess
   import sys
-  from mtjax import checkpoint, config, train
+  from mtjax import checkpoint, train
   build("mistral", tmp_path / "src")
   for name, text in TOKENIZER.items():
     (tmp_path / "src" / name).write_text(text)
