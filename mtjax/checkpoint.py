@@ -66,6 +66,7 @@ def model_difference(saved: dict | None, model: dict) -> str | None:
   another RoPE base), so the layout alone does not tell them apart."""
   if not isinstance(saved, dict):
     return None
+  saved = config_lib.upgrade_model_section(saved)  # a stored config may spell RoPE flat
   saved, model = config_lib.derived_widths(saved), config_lib.derived_widths(model)
   for key in sorted(saved):  # the checkpoint's keys: a field added since keeps its default meaning
     if key in _NOT_ARCHITECTURE or saved.get(key) == model.get(key):

@@ -85,6 +85,59 @@ class MLAConfig:
       raise ConfigError(f"model.mla.qk_rope_dim: {self.qk_rope_dim} must be even for RoPE")
 
 
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+  """Rotary position embeddings: the base, a frequency scaling rule and its parameters."""
+  theta: float = 10000.0  # RoPE base
+  scaling: Literal["none", "linear", "llama3", "longrope", "yarn"] = "none"  # frequency scaling rule
+  factor: float = 1.0  # scaling factor (linear, llama3, longrope, yarn)
+  low_freq_factor: float = 1.0  # llama3: low-frequency cut
+  high_freq_factor: float = 4.0  # llama3: high-frequency cut
+  original_max_len: int = 8192  # llama3, longrope, yarn: the pre-training context length
+  short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors up to original_max_len
+  long_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors beyond it
+  beta_fast: float = 32.0  # yarn: the high-frequency edge of the ramp (rotations)
+  beta_slow: float = 1.0  # yarn: the low-frequency edge
+  mscale: float = 1.0  # yarn (DeepSeek): mscale of the cos/sin scaling
+  mscale_all_dim: float = 0.0  # yarn (DeepSeek): mscale_all_dim; also scales the attention logits
+  attention_factor: float | None = None  # the cos/sin scaling; None: the rule's own
+  truncate: bool = True  # yarn: round the ramp's edges to whole channels (GPT-OSS: false)
+  partial: float = 1.0  # share of each head's channels RoPE rotates (partial_rotary_factor)
+  local_theta: float | None = None  # RoPE base of sliding layers, without scaling (Gemma 3)
+
+  def __post_init__(self):
+    _positive(self, "theta", "factor", "beta_fast", "beta_slow", "original_max_len")
+    for key in ("attention_factor", "local_theta"):
+      if getattr(self, key) is not None and getattr(self, key) <= 0:
+        raise ConfigError(f"model.rope.{key}: {getattr(self, key)} must be > 0 or null")
+    if not 0 < self.partial <= 1:
+      raise ConfigError(f"model.rope.partial: {self.partial} must be in (0, 1]")
+
+
+def upgrade_model_section(raw_model: dict) -> dict:
+  """A model section with the flat RoPE keys older configs and checkpoints carry (`rope_theta`)
+  moved into its `rope` section (`rope.theta`); a key given both ways with two values is an
+  error naming both."""
+  if not isinstance(raw_model, dict):
+    return raw_model
+  names = {f.name for f in dataclasses.fields(RopeConfig)}
+  flat = {k: v for k, v in raw_model.items() if k.startswith("rope_") and k[5:] in names}
+  if not flat:
+    return raw_model
+  rope = raw_model.get("rope") or {}
+  if isinstance(rope, RopeConfig):
+    rope = dataclasses.asdict(rope)
+  if not isinstance(rope, dict):
+    raise ConfigError(f"model.rope: expected a mapping, got {type(rope).__name__}")
+  for key, value in flat.items():
+    if key[5:] in rope and rope[key[5:]] != value:
+      raise ConfigError(f"model.{key}: {value!r} and model.rope.{key[5:]}: {rope[key[5:]]!r} "
+                        f"both given; keep model.rope.{key[5:]}")
+  out = {k: v for k, v in raw_model.items() if k not in flat}
+  out["rope"] = {**{k[5:]: v for k, v in flat.items()}, **rope}
+  return out
+
+
 # Model keys that say how a mixture trains, not what the model computes: a run may set them on an
 # imported model, and a checkpoint resumes under other values.
 TRAINING_KNOBS = ("aux_loss_coef", "z_loss_coef", "capacity_factor")
@@ -111,7 +164,7 @@ LayerType = Literal["full", "sliding"]
 class ModelConfig:
   """A decoder-only transformer. `family` names the model family (mtjax.models): it reads and
   writes the Hugging Face files; the fields say what the layers compute."""
-  family: str = "llama"  # the model family (mtjax.models): llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, olmo2, mixtral, qwen2_moe, qwen3_moe, gpt_oss, deepseek_v2, deepseek_v3
+  family: str = "llama"  # the model family (mtjax.models)
   from_hf: str | None = None  # a Hugging Face model directory: its config.json sets the shape, its safetensors the initial weights
   vocab_size: int = 256  # tokens in the vocabulary
   hidden: int = 64  # model width D
@@ -122,6 +175,7 @@ class ModelConfig:
   ffn: int = 176  # inner width of the dense MLP
   tie_embeddings: bool = False  # LM head reuses the token embedding table
   pad_token_id: int | None = None  # the padding token: its embedding row gets no gradient (transformers' padding_idx)
+  max_position: int | None = None  # the longest sequence the model is made for (config.json's max_position_embeddings); None: not stated
   qkv_bias: bool = False  # bias on q/k/v projections (Qwen2, GPT-OSS)
   o_bias: bool = False  # bias on the attention output projection (GPT-OSS)
   qk_norm: bool = False  # RMSNorm on q and k before RoPE (Qwen3, Gemma 3, OLMo 2)
@@ -131,22 +185,7 @@ class ModelConfig:
   attn_softcap: float | None = None  # attention logits capped as c * tanh(s / c) (Gemma 2)
   query_scale: float | None = None  # the attention logits' scale; None: 1 / sqrt(head_dim)
   attention_sinks: bool = False  # a learned logit per head joins each softmax (GPT-OSS)
-  rope_theta: float = 10000.0  # RoPE base
-  rope_scaling: Literal["none", "linear", "llama3", "longrope", "yarn"] = "none"  # RoPE frequency scaling rule
-  rope_factor: float = 1.0  # scaling factor (linear, llama3, longrope, yarn)
-  rope_low_freq_factor: float = 1.0  # llama3 scaling: low-frequency cut
-  rope_high_freq_factor: float = 4.0  # llama3 scaling: high-frequency cut
-  rope_original_max_len: int = 8192  # llama3, longrope, yarn: the pre-training context length
-  rope_short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors up to rope_original_max_len
-  rope_long_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors beyond it
-  rope_beta_fast: float = 32.0  # yarn: the high-frequency edge of the ramp (rotations)
-  rope_beta_slow: float = 1.0  # yarn: the low-frequency edge
-  rope_mscale: float = 1.0  # yarn (DeepSeek): mscale of the cos/sin scaling
-  rope_mscale_all_dim: float = 0.0  # yarn (DeepSeek): mscale_all_dim; also scales the attention logits
-  rope_attention_factor: float | None = None  # the cos/sin scaling; None: the rule's own
-  rope_truncate: bool = True  # yarn: round the ramp's edges to whole channels (GPT-OSS: false)
-  rope_partial: float = 1.0  # share of each head's channels RoPE rotates (partial_rotary_factor)
-  rope_local_theta: float | None = None  # RoPE base of sliding layers, without scaling (Gemma 3)
+  rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)  # rotary position embeddings (model.rope)
   norm_eps: float = 1e-5  # RMSNorm epsilon
   norm_offset: bool = False  # norms scale by (1 + w), w stored and initialised at 0 (Gemma)
   norm_position: Literal["pre", "sandwich", "post"] = "pre"  # norms before each sub-layer (Llama), before and after (Gemma), after only (OLMo 2)
@@ -162,15 +201,13 @@ class ModelConfig:
 
   def __post_init__(self):
     _positive(self, "vocab_size", "hidden", "layers", "heads", "ffn")
-    for key in ("kv_heads", "head_dim", "sliding_window"):  # None: derived, or not used
+    for key in ("kv_heads", "head_dim", "sliding_window", "max_position"):  # None: derived, or not used
       if getattr(self, key) is not None and getattr(self, key) <= 0:
         raise ConfigError(f"model.{key}: {getattr(self, key)} must be > 0 or null")
-    for key in ("init_std", "rope_theta", "rope_factor", "norm_eps", "swiglu_limit",
-                "swiglu_alpha", "rope_beta_fast", "rope_beta_slow"):
+    for key in ("init_std", "norm_eps", "swiglu_limit", "swiglu_alpha"):
       if getattr(self, key) <= 0:
         raise ConfigError(f"model.{key}: {getattr(self, key)} must be > 0")
-    for key in ("attn_softcap", "query_scale", "final_softcap", "rope_attention_factor",
-                "rope_local_theta"):
+    for key in ("attn_softcap", "query_scale", "final_softcap"):
       if getattr(self, key) is not None and getattr(self, key) <= 0:
         raise ConfigError(f"model.{key}: {getattr(self, key)} must be > 0 or null")
     kv = self.n_kv_heads
@@ -182,10 +219,8 @@ class ModelConfig:
     if self.head_dim is None and self.hidden % self.heads:
       raise ConfigError(f"model.heads: {self.heads} does not divide model.hidden ({self.hidden}); "
                         "set model.head_dim")
-    if not 0 < self.rope_partial <= 1:
-      raise ConfigError(f"model.rope_partial: {self.rope_partial} must be in (0, 1]")
     if self.mla is None and self.rotary_dim % 2:
-      raise ConfigError(f"model.head_dim: {self.dim_per_head} x rope_partial {self.rope_partial} "
+      raise ConfigError(f"model.head_dim: {self.dim_per_head} x rope.partial {self.rope.partial} "
                         f"= {self.rotary_dim} RoPE channels, which must be even")
     if self.layer_types is not None:
       if len(self.layer_types) != self.layers:
@@ -193,12 +228,13 @@ class ModelConfig:
                           f"{self.layers} layers")
       if "sliding" in self.layer_types and self.sliding_window is None:
         raise ConfigError("model.layer_types: sliding layers need model.sliding_window")
-    if self.rope_scaling == "longrope":
+    rope = self.rope
+    if rope.scaling == "longrope":
       half = self.rotary_dim // 2
-      if len(self.rope_short_factor) != half or len(self.rope_long_factor) != half:
-        raise ConfigError(f"model.rope_short_factor / rope_long_factor: longrope needs {half} "
-                          f"values each (half the {self.rotary_dim} RoPE channels), got "
-                          f"{len(self.rope_short_factor)} and {len(self.rope_long_factor)}")
+      if len(rope.short_factor) != half or len(rope.long_factor) != half:
+        raise ConfigError(f"model.rope.short_factor / long_factor: longrope needs {half} values "
+                          f"each (half the {self.rotary_dim} RoPE channels), got "
+                          f"{len(rope.short_factor)} and {len(rope.long_factor)}")
     if self.moe is not None and self.moe.first_dense_layers > self.layers:
       raise ConfigError(f"model.moe.first_dense_layers: {self.moe.first_dense_layers} exceeds "
                         f"model.layers ({self.layers})")
@@ -216,7 +252,7 @@ class ModelConfig:
     """The RoPE channels of each head (the first ones; the rest pass through)."""
     if self.mla is not None:
       return self.mla.qk_rope_dim
-    return int(self.dim_per_head * self.rope_partial)
+    return int(self.dim_per_head * self.rope.partial)
 
   def layer_type(self, i: int) -> str:
     return "full" if self.layer_types is None else self.layer_types[i]
@@ -436,8 +472,9 @@ def _positive(obj, *names, section=None):
       raise ConfigError(f"{section}{n}: {getattr(obj, n)} must be > 0")
 
 
-_SECTION_OF = {"ModelConfig": "model.", "OptimConfig": "optim.", "EngineConfig": "engine.",
-               "DataConfig": "data.", "TrainConfig": "train.", "DPOConfig": "train.dpo."}
+_SECTION_OF = {"ModelConfig": "model.", "RopeConfig": "model.rope.", "OptimConfig": "optim.",
+               "EngineConfig": "engine.", "DataConfig": "data.", "TrainConfig": "train.",
+               "DPOConfig": "train.dpo."}
 
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:
@@ -540,14 +577,21 @@ def from_dict(raw: dict) -> Config:
   """Builds a validated Config; unknown keys, wrong types and impossible values raise ConfigError."""
   if not isinstance(raw, dict):
     raise ConfigError(f"config: expected a mapping at the top level, got {type(raw).__name__}")
-  return _build(Config, raw)
+  return _build(Config, upgrade(raw))
+
+
+def upgrade(raw: dict) -> dict:
+  """A raw config with its model section in today's spelling (`upgrade_model_section`)."""
+  if not isinstance(raw, dict) or "model" not in raw:
+    return raw
+  return {**raw, "model": upgrade_model_section(raw["model"])}
 
 
 def read(path: str | Path | None, overrides: list[str] = ()) -> dict:
   """The raw config: YAML (with `base:` files merged first, relative to it), then the dotted
   overrides applied."""
   raw = _read_yaml(Path(path)) if path else {}
-  return apply_overrides(raw, list(overrides))
+  return upgrade(apply_overrides(raw, list(overrides)))
 
 
 def load(path: str | Path | None, overrides: list[str] = ()) -> Config:

@@ -1,5 +1,6 @@
 """The config reference: a markdown table per config section, read from the dataclasses in
-mtjax/config.py (each field's name, type, default and the comment after it).
+mtjax/config.py (each field's name, type, default and the comment after it), and the table of
+model families, read from their registry (mtjax.models).
 
     python -m mtjax.config_reference                      # print every section
     python -m mtjax.config_reference --write README.md docs/config.md
@@ -7,7 +8,8 @@ mtjax/config.py (each field's name, type, default and the comment after it).
 
 `--write` replaces the text between the marker comments
 `<!-- config-reference: SECTION [SECTION ...] -->` and `<!-- /config-reference -->` with those
-sections' tables; `--check` exits 1 when a file differs from what `--write` would make of it.
+sections' tables, and between `<!-- family-table -->` and `<!-- /family-table -->` with the
+families'; `--check` exits 1 when a file differs from what `--write` would make of it.
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ import tokenize
 import typing
 from pathlib import Path
 
-from mtjax import config
+from mtjax import config, exits, models
 
 MARKER = re.compile(r"(<!-- config-reference: ([a-z. ]+) -->\n)(.*?)(<!-- /config-reference -->)",
                     re.S)
+FAMILY_MARKER = re.compile(r"(<!-- family-table -->\n)(.*?)(<!-- /family-table -->)", re.S)
+# Rows whose meaning ends with what the code knows beyond config.py: the registered families.
+_GENERATED = {"model.family": lambda: ", ".join(models.families())}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +103,11 @@ def fields(cls, prefix: str) -> list[Field]:
     name = node.target.id
     if name not in defaults or _nested(cls, name) is not None:
       continue
-    out.append(Field(prefix + name, _type_words(node.annotation, aliases),
-                     _yaml(defaults[name]), comments.get(node.lineno, "")))
+    doc = comments.get(node.lineno, "")
+    if prefix + name in _GENERATED:
+      doc = f"{doc}: {_GENERATED[prefix + name]()}"
+    out.append(Field(prefix + name, _type_words(node.annotation, aliases), _yaml(defaults[name]),
+                     doc))
   return out
 
 
@@ -148,9 +156,19 @@ def table(names: list[str]) -> str:
   return "\n".join(lines) + "\n"
 
 
+def family_table() -> str:
+  """The markdown table of the registered model families: name, architectures, notes."""
+  lines = ["| `model.family` | Hugging Face architecture | what it reads, and what not |",
+           "| --- | --- | --- |"]
+  for name, f in models.families().items():
+    lines.append(f"| `{name}` | {', '.join(f.architectures)} | {_cell(f.notes)} |")
+  return "\n".join(lines) + "\n"
+
+
 def render(text: str) -> str:
-  """`text` with every marked block replaced by its sections' tables."""
-  return MARKER.sub(lambda m: m.group(1) + table(m.group(2).split()) + m.group(4), text)
+  """`text` with every marked block replaced by its sections' tables, or the families'."""
+  text = MARKER.sub(lambda m: m.group(1) + table(m.group(2).split()) + m.group(4), text)
+  return FAMILY_MARKER.sub(lambda m: m.group(1) + family_table() + m.group(3), text)
 
 
 def main(argv=None) -> int:
@@ -168,25 +186,25 @@ def main(argv=None) -> int:
     try:
       text = path.read_text()
     except OSError as e:
-      print(f"{name}: cannot read ({e.strerror})", file=sys.stderr)
-      return 2
-    if not MARKER.search(text):
-      print(f"{name}: no <!-- config-reference: SECTION --> marker", file=sys.stderr)
-      return 2
+      return exits.fail(name, f"cannot read ({e.strerror})", exits.of_os_error(e))
+    if not (MARKER.search(text) or FAMILY_MARKER.search(text)):
+      return exits.fail(name, "no <!-- config-reference: SECTION --> or <!-- family-table --> "
+                              "marker", exits.BAD_INPUT)
     try:
       new = render(text)
     except ValueError as e:
-      print(f"{name}: {e}", file=sys.stderr)
-      return 2
+      return exits.fail(name, e, exits.BAD_INPUT)
     if new != text:
       stale.append(name)
       if args.write:
-        path.write_text(new)
+        try:
+          path.write_text(new)
+        except OSError as e:
+          return exits.fail(name, f"cannot write ({e.strerror})", exits.of_os_error(e))
   if args.check and stale:
-    print(f"stale config reference in {', '.join(stale)}: run python -m mtjax.config_reference "
-          f"--write {' '.join(stale)}", file=sys.stderr)
-    return 1
-  return 0
+    return exits.fail("stale config reference", f"{', '.join(stale)}: run python -m "
+                      f"mtjax.config_reference --write {' '.join(stale)}", exits.FAILED)
+  return exits.OK
 
 
 if __name__ == "__main__":

@@ -14,13 +14,11 @@ bfloat16: bf16 travels as uint16 bit patterns. Neither torch nor transformers is
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
 import struct
 import uuid
-import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -29,7 +27,7 @@ import numpy as np
 
 from mtjax import models
 from mtjax.config import ModelConfig, derived_widths
-from mtjax.models import FamilyError, Piece
+from mtjax.models import FamilyError, Piece, Stored
 
 
 class HFError(ValueError):
@@ -40,6 +38,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json", "added_tokens.json", "vocab.json", "vocab.txt",
                    "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
 _DTYPES = {"BF16": (np.uint16, 2), "F16": (np.float16, 2), "F32": (np.float32, 4)}
+# What a packed weight's stored tensors may be besides (a decoder reads them as they are).
+_RAW_DTYPES = {**{k: v[0] for k, v in _DTYPES.items()}, "U8": np.uint8, "I8": np.int8}
 _EXPORT_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 CHUNK = 1 << 22  # elements converted at a time: bounds the temporaries of a bf16 or transposed copy
 
@@ -77,15 +77,6 @@ def _param(tree: dict, path: tuple[str, ...]):
 # ----------------------------------------------------------------------------- import
 
 
-@dataclasses.dataclass(frozen=True)
-class _Entry:
-  file: Path
-  dtype: str
-  shape: tuple[int, ...]
-  start: int  # absolute byte offset of the data in the file
-  nbytes: int
-
-
 def _read_header(path: Path) -> tuple[dict, int]:
   try:
     with open(path, "rb") as f:
@@ -100,22 +91,6 @@ def _read_header(path: Path) -> tuple[dict, int]:
     raise HFError(f"{path}: unreadable safetensors header ({type(e).__name__})") from None
   header.pop("__metadata__", None)
   return header, 8 + n
-
-
-class Decoder:
-  """A tensor a checkpoint stores in another form than the weights themselves (MXFP4 blocks and
-  scales, say); families append theirs to DECODERS."""
-
-  def sources(self, checkpoint: "Checkpoint", name: str) -> list[str] | None:
-    """The stored tensors `name` is decoded from, checked; None when this decoder has none."""
-    raise NotImplementedError
-
-  def decode(self, checkpoint: "Checkpoint", name: str) -> np.ndarray:
-    """The fp32 (or bf16 bits) tensor `name`."""
-    raise NotImplementedError
-
-
-DECODERS: list[Decoder] = []
 
 
 class Checkpoint:
@@ -144,7 +119,7 @@ class Checkpoint:
       weight_map, files = None, sorted(self.dir.glob("*.safetensors"))
     if not files:
       raise HFError(f"{self.dir}: no *.safetensors files")
-    self.entries: dict[str, _Entry] = {}
+    self.entries: dict[str, Stored] = {}
     for path in files:
       if not path.exists():
         raise HFError(f"{index}: lists shard {path.name}, which does not exist")
@@ -154,7 +129,7 @@ class Checkpoint:
           raise HFError(f"{path}: tensor {name} also in {self.entries[name].file.name}")
         try:
           begin, end = h["data_offsets"]
-          entry = _Entry(path, h["dtype"], tuple(h["shape"]), data_start + begin, end - begin)
+          entry = Stored(path, h["dtype"], tuple(h["shape"]), data_start + begin, end - begin)
         except (KeyError, TypeError, ValueError):
           raise HFError(f"{path}: tensor {name} has a malformed header entry") from None
         self.entries[name] = entry
@@ -165,33 +140,34 @@ class Checkpoint:
 
   def model_fields(self) -> dict:
     """ModelConfig keyword arguments from config.json (see the module-level `model_fields`)."""
-    quant = self.config.get("quantization_config")
-    if isinstance(quant, dict) and quant.get("quant_method") not in (None, "mxfp4"):
-      raise HFError(f"{self.dir / 'config.json'}: quantization_config.quant_method="
-                    f"{quant.get('quant_method')!r} unsupported (mtjax reads bf16, fp16, fp32 and "
-                    f"MXFP4 expert weights)")
     return model_fields(self.config, str(self.dir / "config.json"))
 
   def raw(self, name: str) -> np.ndarray:
     """A stored tensor as it is on disk (a memory map; bf16 as uint16 bit patterns)."""
     e = self.entries[name]
-    if e.dtype not in _DTYPES and e.dtype not in ("U8", "I8"):
+    if e.dtype not in _RAW_DTYPES:
       raise HFError(f"{e.file}: tensor {name} has dtype {e.dtype}")
-    np_dtype = _DTYPES[e.dtype][0] if e.dtype in _DTYPES else np.uint8
-    return np.memmap(e.file, dtype=np_dtype, mode="r", offset=e.start, shape=e.shape or (1,))
+    return np.memmap(e.file, dtype=_RAW_DTYPES[e.dtype], mode="r", offset=e.start,
+                     shape=e.shape or (1,))
 
-  def _decoded(self, name: str) -> np.ndarray | None:
-    for d in DECODERS:
-      if d.sources(self, name):
-        return d.decode(self, name)
+  def _packed(self, spec: models.ModelSpec, name: str, shape: tuple[int, ...]):
+    """(decoder, the stored tensors) of weight `name` where the family's decoders find it packed,
+    else None; HFError on packed tensors that do not decode to `shape`."""
+    for d in spec.family.decoders:
+      try:
+        sources = d.sources(self.entries, self.config, name, shape)
+      except FamilyError as e:
+        raise HFError(str(e)) from None
+      if sources:
+        return d, sources
     return None
 
   def check(self, spec: models.ModelSpec):
     """Raises HFError unless the tensors are exactly what the model needs, before anything is read.
 
-    Every expected tensor must be present with its shape and a float dtype (or decodable, as MXFP4
-    blocks and scales); nothing else may be left over, except lm_head.weight of a tied model and
-    what the family marks as derived buffers.
+    Every expected tensor must be present with its shape and a float dtype (or stored packed, as
+    one of the family's decoders reads it); nothing else may be left over, except lm_head.weight
+    of a tied model and what the family tolerates (`Family.ignored`).
     """
     expected: dict[str, Piece] = {}
     for g, _ in spec.groups:
@@ -201,9 +177,9 @@ class Checkpoint:
     for name, p in expected.items():
       e = self.entries.get(name)
       if e is None:
-        sources = next((s for d in DECODERS if (s := d.sources(self, name))), None)
-        if sources:
-          used.update(sources)
+        packed = self._packed(spec, name, p.shape)
+        if packed:
+          used.update(packed[1])
           continue
         raise HFError(f"{self.dir}: tensor {name} missing")
       where = f"{e.file}: tensor {name}"
@@ -217,7 +193,7 @@ class Checkpoint:
         raise HFError(f"{where} extends past the end of the file (truncated?)")
       used.add(name)
     for name, e in self.entries.items():
-      if name in used or spec.family.ignored(name):
+      if name in used or spec.family.ignored(self.config, name):
         continue
       if name == "lm_head.weight" and spec.cfg.tie_embeddings:
         continue
@@ -242,9 +218,10 @@ class Checkpoint:
           raise HFError(f"{self.dir}: tensor {p.name} misshapen (run check first)")
         src = self.raw(p.name)
       else:
-        src = self._decoded(p.name)
-        if src is None:
+        packed = self._packed(spec, p.name, p.shape)
+        if packed is None:
           raise HFError(f"{self.dir}: tensor {p.name} missing (run check first)")
+        src = packed[0].decode(self.raw, p.name)
       if p.src:
         src = src[p.src]
       dst = _param(views, p.path)
@@ -278,104 +255,10 @@ def _widen(part: np.ndarray) -> np.ndarray:
   return part.astype(np.float32, copy=False)
 
 
-# ----------------------------------------------------------------------------- MXFP4 (GPT-OSS's experts)
-
-# The fp4 e2m1 values of a nibble (an e8m0 byte e scales them by 2 ** (e - 127)).
-FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                       -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
-
-
-def mxfp4_to_float32(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-  """MXFP4 blocks [E, R, G, 16] (uint8, low nibble first) and scales [E, R, G] (uint8 e8m0) as the
-  fp32 tensor [E, G * 32, R] transformers' `convert_moe_packed_tensors` gives."""
-  blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
-  values = np.stack([FP4_VALUES[blocks & 0x0F], FP4_VALUES[blocks >> 4]], axis=-1)
-  # x * 2 ** e exactly, rounded once to fp32 (e = 128 overflows to inf but for 0 and 0.5), as
-  # torch.ldexp gives.
-  with np.errstate(over="ignore"):
-    values = np.ldexp(values.reshape(*scales.shape, 32), (scales.astype(np.int32) - 127)[..., None])
-  return np.swapaxes(values.reshape(*scales.shape[:-1], -1), 1, 2)
-
-
-class _Lazy:
-  """A dequantized tensor decoded only when read as an array: a slice of its first axis and then
-  one index of the others narrow it first, so an import decodes one slab of experts at a time
-  (hf's copy reads a few million elements per slab) instead of a whole layer's in fp32."""
-
-  def __init__(self, blocks, scales, rows: range | None = None, tail: tuple = ()):
-    self.blocks, self.scales, self.tail = blocks, scales, tail
-    self.rows = range(blocks.shape[0]) if rows is None else rows
-    E, R, G, _ = blocks.shape
-    full = np.broadcast_to(np.float32(0), (len(self.rows), G * 32, R))
-    self.shape = full[(slice(None), *tail)].shape
-    self.ndim = len(self.shape)
-    self.dtype = np.dtype(np.float32)
-
-  def __getitem__(self, index):
-    index = index if isinstance(index, tuple) else (index,)
-    first, rest = index[0], index[1:]
-    if isinstance(first, slice) and first.step in (None, 1) and not (rest and self.tail):
-      return _Lazy(self.blocks, self.scales, self.rows[first], rest or self.tail)
-    return np.asarray(self)[index]  # any other index: decoded whole, then indexed
-
-  def __array__(self, dtype=None, copy=None):
-    r = slice(self.rows.start, self.rows.stop)
-    out = mxfp4_to_float32(self.blocks[r], self.scales[r])[(slice(None), *self.tail)]
-    return out if dtype is None else out.astype(dtype)
-
-
-class MXFP4(Decoder):
-  """A tensor `X` stored as MXFP4 `X_blocks` and `X_scales` (GPT-OSS's experts), checked against
-  the shape the model needs and decoded on import."""
-
-  def __init__(self):
-    self._shapes = weakref.WeakKeyDictionary()  # checkpoint -> the tensors' shapes its model needs
-
-  def _expected(self, ck: Checkpoint) -> dict:
-    if ck not in self._shapes:
-      spec = models.spec(ModelConfig(**ck.model_fields()))
-      self._shapes[ck] = {p.name: p.shape for g, _ in spec.groups
-                          for p in spec.family.pieces(spec.cfg, g, spec.group_layout(g))}
-    return self._shapes[ck]
-
-  def sources(self, ck: Checkpoint, name: str) -> list[str] | None:
-    bn, sn = f"{name}_blocks", f"{name}_scales"
-    b, s = ck.entries.get(bn), ck.entries.get(sn)
-    if b is None and s is None:
-      return None
-    if b is None or s is None:
-      have, lacks = (bn, sn) if s is None else (sn, bn)
-      raise HFError(f"{ck.dir}: tensor {have} without {lacks} (MXFP4 needs both)")
-    quant = ck.config.get("quantization_config")
-    if not isinstance(quant, dict) or quant.get("quant_method") != "mxfp4":
-      raise HFError(f"{b.file}: tensor {bn} is MXFP4 but config.json has no quantization_config "
-                       f"with quant_method 'mxfp4'")
-    for n, e, ndim in ((bn, b, 4), (sn, s, 3)):
-      if e.dtype != "U8" or len(e.shape) != ndim:
-        raise HFError(f"{e.file}: tensor {n} is {e.dtype} {list(e.shape)}, expected uint8 of "
-                         f"{ndim} dimensions (MXFP4)")
-      if e.nbytes != int(np.prod(e.shape)) or e.start + e.nbytes > e.file.stat().st_size:
-        raise HFError(f"{e.file}: tensor {n} does not fit its shape or the file (truncated?)")
-    if b.shape[-1] != 16 or b.shape[:-1] != s.shape:
-      raise HFError(f"{b.file}: tensor {bn} {list(b.shape)} does not pair with {sn} "
-                       f"{list(s.shape)} (expected [..., 16] blocks over its scales)")
-    E, R, G, _ = b.shape
-    want = self._expected(ck).get(name)
-    if want is not None and (E, G * 32, R) != want:
-      raise HFError(f"{b.file}: tensor {bn} decodes to {[E, G * 32, R]}, expected {list(want)}")
-    return [bn, sn]
-
-  def decode(self, ck: Checkpoint, name: str) -> _Lazy:
-    return _Lazy(ck.raw(f"{name}_blocks"), ck.raw(f"{name}_scales"))
-
-
-DECODERS.append(MXFP4())
-
-
 # ----------------------------------------------------------------------------- export
 
 
-def bf16_bits(x: np.ndarray) -> np.ndarray:
+def _bf16_bits(x: np.ndarray) -> np.ndarray:
   """fp32 -> bf16 bit patterns (uint16), rounding to nearest even as torch does; NaN stays NaN."""
   # through fp32 first: a float64 input rounded straight to bf16 could round differently
   return np.ascontiguousarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
@@ -482,14 +365,16 @@ def _export_config(cfg: ModelConfig, dtype: str, source_dir) -> dict:
       raise HFError(f"{src}: unreadable ({type(e).__name__})") from None
     keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]
     config.update({k: dtype for k in keys})
-    # The tensors are written dequantized (MXFP4 experts decoded on import): a quantization
-    # config kept from the source would make a loader expect packed blocks.
+    # The tensors are written unpacked (packed weights are decoded on import): a quantization
+    # config kept from the source would make a loader expect packed ones.
     config.pop("quantization_config", None)
     where = str(src)
   fields = model_fields(config, where)
   mine = derived_widths({k: getattr(cfg, k) for k in fields})
   theirs = derived_widths(fields)
   for key, value in fields.items():
+    if key == "max_position" and cfg.max_position is None:  # a model that states none takes it
+      continue
     if key not in _NOT_ARCHITECTURE and mine[key] != theirs[key]:
       raise HFError(f"{where}: gives model.{key}={value!r}, the weights have "
                     f"{getattr(cfg, key)!r}")
@@ -525,7 +410,7 @@ def _write_shards(tmp: Path, spec: models.ModelSpec, groups: Iterable[tuple[str,
     seen += 1
     for tname, arr in hf_tensors(spec, name, flat):
       if st_dtype == "BF16":
-        arr = bf16_bits(arr)
+        arr = _bf16_bits(arr)
       elif st_dtype == "F16":
         top = float(np.max(np.abs(arr), initial=0.0, where=np.isfinite(arr)))
         if top > np.finfo(np.float16).max:
@@ -552,11 +437,3 @@ def load_into(store, directory: str | os.PathLike) -> None:
   for i, g in enumerate(store.groups):
     if store.owns(i):  # with several processes, each reads the groups it holds
       store.fill(i, lambda out, name=g.name: ck.read_group(spec, name, out))
-
-
-def export_store(store, out_dir: str | os.PathLike, dtype: str = "bfloat16",
-                 source_dir: str | os.PathLike | None = None) -> Path:
-  """Writes a `LayerStore`'s weights (call `sync()` first) as a Hugging Face directory, one group
-  in host memory at a time."""
-  groups = ((g.name, store.read(i)["w"]) for i, g in enumerate(store.groups))
-  return export(out_dir, store.model_cfg, groups, dtype, source_dir)

@@ -10,18 +10,46 @@ loads back into the same logits.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import safetensors.numpy
 import torch
 import transformers
 
 import mtjax
 from mtjax import cli, data, engine as engine_lib, hf, launch, models, store as store_lib
 from mtjax.models.layers import token_nll
-from numerics import assert_close, errors
+from numerics import REL_L2, assert_close, errors
+
+def covers(*families: str):
+  """Marks a test as the one holding these families to transformers; the test fails unless it
+  imports a checkpoint of one of them (through `mtjax.load_hf`), and tests/test_hf.py fails while
+  a registered family has no such test."""
+  def mark(test):
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+      seen, load_hf = [], mtjax.load_hf
+
+      def recorded(path):
+        cfg, params = load_hf(path)
+        seen.append(cfg.family)
+        return cfg, params
+
+      mtjax.load_hf = recorded
+      try:
+        test(*args, **kwargs)
+      finally:
+        mtjax.load_hf = load_hf
+      assert seen and set(seen) <= set(families), (families, seen)
+    run.families = families
+    return run
+  return mark
+
 
 # Parameters whose transformers init is a constant (norms at 1 or 0, biases at 0, sinks, score
 # correction biases): moved off it, so a wrong offset or a dropped bias cannot hide.
@@ -64,8 +92,6 @@ def as_checkpoint(m: torch.nn.Module, values: dict | None = None) -> dict[str, n
   names and layouts of its saved checkpoint, as save_pretrained converts them: transformers 5
   fuses a mixture's per-expert tensors into stacked ones when it loads and splits them again when
   it saves. Buffers the checkpoint carries (a router's score-correction bias) keep their values."""
-  import tempfile  # noqa: PLC0415
-  import safetensors.numpy  # noqa: PLC0415
   if values is not None:
     params = dict(m.named_parameters())
     saved = {k: p.detach().clone() for k, p in params.items()}
@@ -162,8 +188,9 @@ def check_adamw_step(directory: Path, aux_coef: float = 0.0, lr: float = 1e-2,
 
   Adam's first step is lr * g / (|g| + eps): its sensitivity to a gradient element's rounding is
   lr * eps / (|g| + eps)^2, up to lr / eps for a gradient near eps. With eps 1e-8 a gradient of
-  1e-7 turns fp32 rounding (1e-8 of it) into a weight difference of 5e-5 (seen on GELU's and
-  SwiGLU's near-zero derivatives); eps 1e-4, on both sides, bounds the amplification at 100."""
+  1e-7 turns fp32 rounding (1e-8 of it) into a weight difference of 5e-5 (GELU's and SwiGLU's
+  near-zero derivatives hold such gradients); eps 1e-4, on both sides, bounds the amplification
+  at 100."""
   over = [f"model.from_hf={directory}", "engine.compute_dtype=float32", "engine.devices=1",
           f"train.batch={B}", f"train.seq={T}", f"optim.lr={lr}", "optim.warmup_steps=0",
           "optim.min_lr_ratio=1.0", f"optim.weight_decay={weight_decay}", "optim.b2=0.99",
@@ -228,12 +255,14 @@ def check_export(cfg, params, tmp: Path, dtype: str = "float32", source: Path | 
 
 def feature_matters(cfg, params, T: int = 12, factor: float = 100.0, **change) -> float:
   """How far the logits move when the config is changed (a feature turned off), relative L2; it
-  must exceed `factor` times the parity bound for the parity tests to have tested the feature."""
+  must exceed `factor` times the parity bound for the parity tests to have tested the feature.
+  A section's change is a dict of its fields (`rope=dict(truncate=True)`)."""
+  change = {k: dataclasses.replace(getattr(cfg, k), **v) if isinstance(v, dict) else v
+            for k, v in change.items()}
   ids = token_ids(cfg.vocab_size, T=T)
   base = forward(cfg, params, ids)
   other = forward(dataclasses.replace(cfg, **change), params, ids)
   moved = errors(other, base)[0]
-  from numerics import REL_L2  # noqa: PLC0415
   assert moved > factor * REL_L2, (change, moved)
   return moved
 

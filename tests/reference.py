@@ -13,22 +13,22 @@ import numpy as np
 
 
 def inv_freq_np(cfg) -> np.ndarray:
-  hd = cfg.dim_per_head
-  inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
-  if cfg.rope_scaling == "linear":
-    inv = inv / cfg.rope_factor
-  elif cfg.rope_scaling == "llama3":
+  hd, r = cfg.dim_per_head, cfg.rope
+  inv = 1.0 / (r.theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+  if r.scaling == "linear":
+    inv = inv / r.factor
+  elif r.scaling == "llama3":
     out = []
     for f in inv:
       wavelen = 2 * math.pi / f
-      if wavelen < cfg.rope_original_max_len / cfg.rope_high_freq_factor:
+      if wavelen < r.original_max_len / r.high_freq_factor:
         out.append(f)
-      elif wavelen > cfg.rope_original_max_len / cfg.rope_low_freq_factor:
-        out.append(f / cfg.rope_factor)
+      elif wavelen > r.original_max_len / r.low_freq_factor:
+        out.append(f / r.factor)
       else:
-        s = ((cfg.rope_original_max_len / wavelen - cfg.rope_low_freq_factor)
-             / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor))
-        out.append((1 - s) * f / cfg.rope_factor + s * f)
+        s = ((r.original_max_len / wavelen - r.low_freq_factor)
+             / (r.high_freq_factor - r.low_freq_factor))
+        out.append((1 - s) * f / r.factor + s * f)
     inv = np.array(out)
   return inv
 

@@ -119,3 +119,77 @@ def test_cli_reports_config_errors_in_one_line():
                       "model.hidden=abc"], capture_output=True, text=True)
   assert r.returncode == 2
   assert r.stderr.strip().count("\n") == 0 and "model.hidden" in r.stderr
+
+
+def test_rope_is_a_section_of_its_own():
+  cfg = config.load(CONFIGS / "llama3.2_1b.yaml", ["model.rope.theta=1e4"])
+  rope = cfg.model.rope
+  assert isinstance(rope, config.RopeConfig)
+  assert (rope.theta, rope.scaling, rope.factor, rope.original_max_len) == (
+      1e4, "llama3", 32.0, 8192)
+  assert config.to_dict(cfg)["model"]["rope"]["theta"] == 1e4
+  for over, key in ((["model.rope.partial=1.5"], "model.rope.partial: 1.5 must be in (0, 1]"),
+                    (["model.rope.theta=0"], "model.rope.theta: 0.0 must be > 0"),
+                    (["model.rope.scaling=ntk"], "model.rope.scaling"),
+                    (["model.rope.thetaa=1"], "model.rope.thetaa: unknown key"),
+                    (["model.head_dim=6", "model.rope.partial=0.5"], "rope.partial 0.5 = 3")):
+    with pytest.raises(config.ConfigError) as e:
+      config.load(CONFIGS / "tiny.yaml", over)
+    assert key in str(e.value) and "\n" not in str(e.value), (over, str(e.value))
+
+
+# A model section as configs, run folders and checkpoints spelled RoPE before it was a section.
+FLAT_MODEL = {"vocab_size": 64, "hidden": 32, "layers": 1, "heads": 4, "ffn": 48,
+              "rope_theta": 500000.0, "rope_scaling": "llama3", "rope_factor": 8.0,
+              "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
+              "rope_original_max_len": 64, "rope_short_factor": [], "rope_long_factor": [],
+              "rope_beta_fast": 32.0, "rope_beta_slow": 1.0, "rope_mscale": 1.0,
+              "rope_mscale_all_dim": 0.0, "rope_attention_factor": None, "rope_truncate": True,
+              "rope_partial": 1.0, "rope_local_theta": None}
+
+
+def test_a_flat_rope_spelling_upgrades_to_the_section_and_round_trips():
+  up = config.upgrade_model_section(FLAT_MODEL)
+  assert not any(k.startswith("rope_") for k in up)
+  assert up["rope"]["theta"] == 500000.0 and up["rope"]["scaling"] == "llama3"
+  assert config.upgrade_model_section(up) == up  # already in today's spelling: unchanged
+  cfg = config.from_dict({"model": FLAT_MODEL})
+  assert cfg.model.rope == config.RopeConfig(theta=500000.0, scaling="llama3", factor=8.0,
+                                             original_max_len=64)
+  again = config.to_dict(cfg)
+  assert config.from_dict(again) == cfg and again["model"]["rope"]["factor"] == 8.0
+  # A YAML (or a command line) in the flat spelling reads the same; both spellings at odds are
+  # one line naming the key to keep.
+  assert config.load(CONFIGS / "tiny.yaml", ["model.rope_theta=5e5"]).model.rope.theta == 5e5
+  with pytest.raises(config.ConfigError) as e:
+    config.load(CONFIGS / "llama3.2_1b.yaml", ["model.rope_theta=1e4"])
+  assert "keep model.rope.theta" in str(e.value) and "\n" not in str(e.value)
+  same = config.load(CONFIGS / "llama3.2_1b.yaml", ["model.rope_theta=500000.0"])
+  assert same.model.rope.theta == 5e5  # the same value both ways agrees
+
+
+def test_a_checkpoint_with_the_flat_rope_spelling_resumes_and_exports(tmp_path):
+  """A checkpoint whose stored config spells RoPE flat (meta.json "config") exports through
+  `python -m mtjax.export`, is told apart from a model of another RoPE base, and resumes."""
+  import json
+  from mtjax import checkpoint, train
+  ck = tmp_path / "ck"
+  base = ["train.batch=2", "train.seq=8", "train.tensorboard=false", f"train.checkpoint_dir={ck}",
+          "model.rope.theta=20000", "optim.decay_steps=4"]
+  train.run(config.load(CONFIGS / "tiny.yaml", [*base, "train.steps=2"]), progress=False)
+  meta_path = ck / "step_2" / "meta.json"
+  meta = json.loads(meta_path.read_text())
+  model = meta["extra"]["config"]["model"]
+  model.update({f"rope_{k}": v for k, v in model.pop("rope").items()})
+  del model["max_position"]  # a field the flat spelling's configs did not have
+  meta_path.write_text(json.dumps(meta))
+  r = subprocess.run([sys.executable, "-m", "mtjax.export", "--checkpoint", str(ck / "step_2"),
+                      "--out", str(tmp_path / "out"), "--dtype", "float32"],
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr
+  assert json.loads((tmp_path / "out" / "config.json").read_text())["rope_theta"] == 20000.0
+  with pytest.raises(checkpoint.CheckpointMismatch, match=r"model\.rope\.theta: 20000.0 in the"):
+    train.run(config.load(CONFIGS / "tiny.yaml", [*base, "train.steps=3", "model.rope.theta=1e4"]),
+              progress=False)
+  s = train.run(config.load(CONFIGS / "tiny.yaml", [*base, "train.steps=3"]), progress=False)
+  assert s["resumed_from"].endswith("step_2") and s["steps"] == 1

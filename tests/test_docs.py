@@ -26,9 +26,10 @@ def test_config_reference_shows_every_field_with_its_default_and_comment():
   for section, cls in (("model", config.ModelConfig), ("optim", config.OptimConfig),
                        ("engine", config.EngineConfig), ("data", config.DataConfig),
                        ("train", config.TrainConfig), ("train.dpo", config.DPOConfig),
-                       ("model.moe", config.MoEConfig), ("model.mla", config.MLAConfig)):
+                       ("model.rope", config.RopeConfig), ("model.moe", config.MoEConfig),
+                       ("model.mla", config.MLAConfig)):
     for f in cls.__dataclass_fields__.values():
-      if f.name in ("moe", "mla", "dpo"):
+      if f.name in ("rope", "moe", "mla", "dpo"):
         continue
       row = re.search(rf"^\| `{re.escape(section)}\.{f.name}` \|.*$", text, re.M)
       assert row, f"{section}.{f.name} missing from the config reference"
@@ -48,6 +49,25 @@ def test_check_fails_on_a_stale_table_and_write_repairs_it(tmp_path, capsys):
   assert page.read_text() == fresh and "| `data.mode` | packed / padded | `packed` |" in fresh
   page.write_text("no marker")
   assert config_reference.main(["--check", str(page)]) == 2
+
+
+def test_the_family_table_and_the_family_key_are_the_registry(tmp_path, capsys):
+  """README's family table and model.family's row are generated from the registry: a family
+  whose row is missing or stale fails the check, and --write restores it."""
+  from mtjax import models
+  names = list(models.families())
+  table = config_reference.FAMILY_MARKER.search(README.read_text()).group(2)
+  for name, f in models.families().items():
+    assert f"| `{name}` | {', '.join(f.architectures)} | {f.notes} |" in table
+  assert len(table.strip().splitlines()) == 2 + len(names)
+  row = re.search(r"^\| `model\.family` \|.*$", (ROOT / "docs" / "config.md").read_text(), re.M)
+  assert row.group(0).endswith(f": {', '.join(names)} |")
+  page = tmp_path / "page.md"
+  fresh = config_reference.render("x\n<!-- family-table -->\n<!-- /family-table -->\n")
+  page.write_text("\n".join(line for line in fresh.splitlines() if "`phi3`" not in line) + "\n")
+  assert config_reference.main(["--check", str(page)]) == 1
+  assert "stale config reference" in capsys.readouterr().err
+  assert config_reference.main(["--write", str(page)]) == 0 and page.read_text() == fresh
 
 
 def test_every_relative_link_points_to_an_existing_file():
@@ -84,6 +104,7 @@ def test_readme_functional_api_example_runs(tmp_path):
   transformers.LlamaForCausalLM(hf).save_pretrained(tmp_path)
   code = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
   scope = {}
+  # The README's own code, as a reader would paste it.
   exec(textwrap.dedent(code).replace('"MODEL"', repr(str(tmp_path))), scope)  # noqa: S102
   assert scope["logits"].shape == (1, 4, 64)
   names = scope["tensors"]

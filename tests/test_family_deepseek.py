@@ -10,15 +10,17 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
+import mtjax
+from mtjax import hf, models
+from mtjax.config import ModelConfig
+from mtjax.models import mla, moe
+from numerics import REL_L2, assert_close, errors
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import mtjax  # noqa: E402
+# After the skip: the parity harness imports torch and transformers.
 import parity  # noqa: E402
-from mtjax import hf, models  # noqa: E402
-from mtjax.config import ModelConfig  # noqa: E402
-from mtjax.models import mla, moe  # noqa: E402
-from numerics import REL_L2, assert_close, errors  # noqa: E402
 
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
             mscale=0.707, mscale_all_dim=1.0, beta_fast=32, beta_slow=1)
@@ -81,6 +83,7 @@ def buffers(directory) -> dict:
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
+@parity.covers("deepseek_v2", "deepseek_v3")
 def test_equals_transformers(saved, tmp_path, torch_names, family):
   src = saved[family]
   cfg, params, _ = parity.check_logits_and_gradients(src)
@@ -95,9 +98,9 @@ def test_equals_transformers(saved, tmp_path, torch_names, family):
   if family == "deepseek_v3":  # the engine runs V2's layers through the same code
     # Adam's first step is lr * g / (|g| + eps): a gradient's fp32 rounding dg (about 1e-7 of its
     # tensor's largest, up to a few 1e-6 here) moves it by up to lr * dg / (4 eps). At eps = 1e-8
-    # the elements with |g| near 1e-8, which tensors of this size hold, step by their rounding
-    # (0.13 lr seen), beyond the harness's 1e-3 lr; at 1e-2 (on both sides) the step is a smooth
-    # function of the gradient.
+    # the elements with |g| near 1e-8, which tensors of this size hold, step by their rounding,
+    # beyond the harness's 1e-3 lr; at 1e-2 (on both sides) the step is a smooth function of the
+    # gradient.
     parity.check_adamw_step(src, eps=1e-2)
     for name, value in bias.items():  # AdamW (no decay on vectors) leaves it as imported
       np.testing.assert_array_equal(torch_names[-1][name], value)
@@ -166,7 +169,7 @@ def test_chosen_experts_and_features(saved, monkeypatch, family):
   parity.feature_matters(cfg, params, **change_moe(groups=1, topk_groups=1))
   parity.feature_matters(cfg, params, **change_moe(shared_experts=0))
   parity.feature_matters(cfg, params, **change_moe(routed_scaling=1.0))
-  parity.feature_matters(cfg, params, rope_mscale_all_dim=0.0)  # the logits' mscale^2
+  parity.feature_matters(cfg, params, rope=dict(mscale_all_dim=0.0))  # the logits' mscale^2
   if family == "deepseek_v3":
     parity.feature_matters(cfg, params, **change_moe(score_correction_bias=False))
     parity.feature_matters(cfg, params, **change_moe(norm_topk_prob=False))
@@ -227,7 +230,7 @@ def test_config_defaults_and_tensors(saved, tmp_path):
   # A tensor of the wrong shape, and the multi-token-prediction layer transformers skips.
   (tmp_path / "config.json").write_text(json.dumps(config))
   tensors = safetensors.numpy.load_file(d / "model.safetensors")
-  tensors["model.layers.61.eh_proj.weight"] = np.zeros((4, 4), np.float32)
+  tensors["model.layers.3.eh_proj.weight"] = np.zeros((4, 4), np.float32)
   name = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"
   good = tensors[name]
   tensors[name] = good[:-1]
@@ -240,3 +243,30 @@ def test_config_defaults_and_tensors(saved, tmp_path):
   tensors[name] = good
   safetensors.numpy.save_file(tensors, tmp_path / "model.safetensors")
   hf.Checkpoint(tmp_path).check(spec)
+
+
+@pytest.mark.parametrize("nextn,tolerated", [(None, ["model.layers.3."]),
+                                             (2, ["model.layers.3.", "model.layers.4."]),
+                                             (0, [])])
+def test_multi_token_prediction_layers_follow_the_depth(saved, tmp_path, nextn, tolerated):
+  """V3's multi-token-prediction layers, which transformers does not load, are the
+  num_nextn_predict_layers (default 1) after the num_hidden_layers decoder layers, whatever the
+  depth (3 here, 61 in DeepSeek-V3); a layer beyond them is refused."""
+  d = saved["deepseek_v3"]
+  config = json.loads((d / "config.json").read_text())
+  config.pop("num_nextn_predict_layers", None)
+  if nextn is not None:
+    config["num_nextn_predict_layers"] = nextn
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  tensors = safetensors.numpy.load_file(d / "model.safetensors")
+  for prefix in tolerated:
+    tensors[prefix + "eh_proj.weight"] = np.zeros((4, 4), np.float32)
+  safetensors.numpy.save_file(tensors, tmp_path / "model.safetensors")
+  spec = models.spec(ModelConfig(**hf.Checkpoint(tmp_path).model_fields()))
+  hf.Checkpoint(tmp_path).check(spec)
+  beyond = f"model.layers.{3 + len(tolerated)}.eh_proj.weight"
+  tensors[beyond] = np.zeros((4, 4), np.float32)
+  safetensors.numpy.save_file(tensors, tmp_path / "model.safetensors")
+  with pytest.raises(hf.HFError) as e:
+    hf.Checkpoint(tmp_path).check(spec)
+  one_line(e, beyond, "unexpected")

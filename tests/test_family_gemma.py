@@ -15,13 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import mtjax
+from mtjax import hf, models
+from numerics import assert_close
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import mtjax  # noqa: E402
+# After the skip: the parity harness imports torch and transformers.
 import parity  # noqa: E402
-from mtjax import hf, models  # noqa: E402
-from numerics import assert_close  # noqa: E402
 
 SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
@@ -57,6 +59,7 @@ def gemma3(tmp_path_factory):
   return d
 
 
+@parity.covers("gemma2")
 def test_gemma2_equals_transformers(gemma2, tmp_path):
   cfg, params, _ = parity.check_logits_and_gradients(gemma2)
   assert cfg.family == "gemma2" and cfg.layer_types == ("sliding", "full")
@@ -77,12 +80,14 @@ def test_gemma2_equals_transformers(gemma2, tmp_path):
   parity.check_adamw_step(gemma2, **ADAM)
 
 
+@parity.covers("gemma3")
 def test_gemma3_equals_transformers(gemma3, tmp_path):
   cfg, params, _ = parity.check_logits_and_gradients(gemma3)
   assert cfg.family == "gemma3" and cfg.qk_norm and cfg.attn_softcap is None
-  assert (cfg.rope_theta, cfg.rope_scaling, cfg.rope_factor, cfg.rope_local_theta) == (
+  assert (cfg.rope.theta, cfg.rope.scaling, cfg.rope.factor, cfg.rope.local_theta) == (
       10000.0, "linear", 4.0, 100.0)
-  for change in (dict(qk_norm=False), dict(rope_local_theta=None), dict(rope_scaling="none"),
+  for change in (dict(qk_norm=False), dict(rope=dict(local_theta=None)),
+                 dict(rope=dict(scaling="none")),
                  dict(final_softcap=None), dict(layer_types=None), dict(query_scale=None)):
     parity.feature_matters(cfg, params, **change)
   parity.pieces_cover_every_parameter(cfg)
@@ -90,6 +95,7 @@ def test_gemma3_equals_transformers(gemma3, tmp_path):
   parity.check_adamw_step(gemma3, **ADAM)
 
 
+@parity.covers("gemma3_vl")
 def test_gemma3_vision_language_text_tower_equals_transformers(tmp_path):
   src = tmp_path / "src"
   config = transformers.Gemma3Config(text_config=GEMMA3, vision_config=VISION,
@@ -129,8 +135,8 @@ def test_both_key_styles_and_omitted_keys_read_as_transformers_resolves_them():
   new3["architectures"] = old3["architectures"]
   assert _fields(old3) == _fields(new3)
   fields = _fields(old3)
-  assert (fields["rope_theta"], fields["rope_local_theta"], fields["rope_factor"]) == (
-      5e5, 2e4, 8.0)
+  rope = fields["rope"]
+  assert (rope.theta, rope.local_theta, rope.factor) == (5e5, 2e4, 8.0)
   assert fields["layer_types"] == ("sliding", "sliding", "full") * 2 + ("sliding",)
   assert (fields["head_dim"], fields["kv_heads"], fields["vocab_size"]) == (256, 4, 262208)
 
@@ -183,6 +189,6 @@ def test_a_misshapen_tensor_is_a_one_line_error(gemma2, tmp_path):
     mtjax.load_hf(bad)
   shutil.rmtree(bad)
   # Only a vision-language checkpoint's vision tower and projector are left unread.
-  assert models.get("gemma3_vl").ignored("vision_tower.encoder.layers.0.mlp.fc1.weight")
-  assert not models.get("gemma3_vl").ignored("language_model.model.layers.9.mlp.up_proj.weight")
-  assert not models.get("gemma2").ignored("vision_tower.encoder.layers.0.mlp.fc1.weight")
+  assert models.get("gemma3_vl").ignored({}, "vision_tower.encoder.layers.0.mlp.fc1.weight")
+  assert not models.get("gemma3_vl").ignored({}, "language_model.model.layers.9.mlp.up_proj.weight")
+  assert not models.get("gemma2").ignored({}, "vision_tower.encoder.layers.0.mlp.fc1.weight")

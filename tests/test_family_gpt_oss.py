@@ -4,21 +4,22 @@ router with a bias, clamped-SwiGLU experts with biases, and MXFP4 expert weights
 
 import json
 
+import flax.linen as nn
+import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors.numpy
+
+import mtjax
+from mtjax import hf, models
+from mtjax.config import ModelConfig
+from mtjax.models import FamilyError, gpt_oss, moe
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import flax.linen as nn  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import safetensors.numpy  # noqa: E402
-
-import mtjax  # noqa: E402
+# After the skip: the parity harness imports torch and transformers.
 import parity  # noqa: E402
-from mtjax import hf, models  # noqa: E402
-from mtjax.config import ModelConfig  # noqa: E402
-from mtjax.models import FamilyError, gpt_oss, moe  # noqa: E402
 
 AUX = 0.5  # router_aux_loss_coef: large enough that a wrong load-balancing loss shows in the loss
 CONFIG = dict(
@@ -77,10 +78,11 @@ def router_choices_transformers(directory, ids) -> tuple[list, list]:
   return [o[0].numpy() for o in seen], [o[2].numpy() for o in seen]
 
 
+@parity.covers("gpt_oss")
 def test_parity_routing_features_and_export(saved, tmp_path):
   cfg, params, want = parity.check_logits_and_gradients(saved, aux_coef=AUX)
   assert cfg.family == "gpt_oss" and cfg.layer_types == ("sliding", "full") * 2
-  assert (cfg.sliding_window, cfg.rope_scaling, cfg.rope_truncate) == (4, "yarn", False)
+  assert (cfg.sliding_window, cfg.rope.scaling, cfg.rope.truncate) == (4, "yarn", False)
   assert cfg.attention_sinks and cfg.qkv_bias and cfg.o_bias and cfg.mlp_bias
   assert (cfg.moe.router, cfg.moe.router_bias, cfg.moe.aux_loss_coef) == ("topk_softmax", True, AUX)
   assert AUX * want.aux > 0.3  # the load-balancing loss is a real part of the compared loss
@@ -98,8 +100,8 @@ def test_parity_routing_features_and_export(saved, tmp_path):
   parity.feature_matters(cfg, params, attention_sinks=False)
   parity.feature_matters(cfg, params, swiglu_limit=7.0)  # the clamp binds at 1.5
   parity.feature_matters(cfg, params, layer_types=None)  # the window of the sliding layers
-  parity.feature_matters(cfg, params, rope_scaling="none")  # YaRN's frequencies and cos/sin factor
-  parity.feature_matters(cfg, params, rope_truncate=True)
+  parity.feature_matters(cfg, params, rope=dict(scaling="none"))  # YaRN's frequencies and factor
+  parity.feature_matters(cfg, params, rope=dict(truncate=True))
   parity.pieces_cover_every_parameter(cfg)
   parity.check_export(cfg, params, tmp_path / "out")  # with the family's config.json
 
@@ -131,8 +133,8 @@ def test_older_keys_and_omitted_defaults_read_as_transformers_reads_them(saved):
   got = hf.model_fields(sizes)
   assert got == hf.model_fields(full)
   assert (got["head_dim"], got["kv_heads"], got["sliding_window"]) == (64, 8, 128)
-  assert got["layer_types"] == ("sliding", "full", "sliding") and got["rope_theta"] == 150000.0
-  assert (got["rope_factor"], got["rope_truncate"]) == (32.0, False)
+  assert got["layer_types"] == ("sliding", "full", "sliding") and got["rope"].theta == 150000.0
+  assert (got["rope"].factor, got["rope"].truncate) == (32.0, False)
   assert got["moe"].experts_per_token == 4
 
 
@@ -164,6 +166,7 @@ def test_write_config_needs_experts():
 
 
 def test_mxfp4_unpacking_equals_transformers_bit_for_bit():
+  # transformers' MXFP4 integration, imported by the one test that compares against it.
   from transformers.integrations.mxfp4 import convert_moe_packed_tensors  # noqa: PLC0415
   rng = np.random.default_rng(0)
   blocks = rng.integers(0, 256, (3, 40, 8, 16), dtype=np.uint8)
@@ -171,7 +174,7 @@ def test_mxfp4_unpacking_equals_transformers_bit_for_bit():
   scales[0, :32] = np.arange(256, dtype=np.uint8).reshape(32, 8)  # every exponent, 255 included
   want = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
                                     dtype=torch.float32).numpy()
-  got = hf.mxfp4_to_float32(blocks, scales)
+  got = gpt_oss.mxfp4_to_float32(blocks, scales)
   assert got.shape == want.shape == (3, 256, 40) and got.dtype == np.float32
   np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))  # inf, -0 included
 
@@ -182,11 +185,11 @@ def pack_mxfp4(w_ExXxR: np.ndarray):
   E, X, R = w_ExXxR.shape
   g = np.swapaxes(w_ExXxR, 1, 2).reshape(E, R, X // 32, 32)
   exp = np.ceil(np.log2(np.abs(g).max(-1) / 6.0)).astype(np.int32)  # the block's max fits in +-6
-  codes = np.abs((g / np.exp2(exp)[..., None])[..., None] - hf.FP4_VALUES).argmin(-1)
+  codes = np.abs((g / np.exp2(exp)[..., None])[..., None] - gpt_oss.FP4_VALUES).argmin(-1)
   codes = codes.astype(np.uint8)
   blocks = np.ascontiguousarray(codes[..., 0::2] | (codes[..., 1::2] << 4))
   scales = np.ascontiguousarray(exp + 127).astype(np.uint8)
-  values = hf.FP4_VALUES[codes] * np.exp2(exp)[..., None].astype(np.float32)
+  values = gpt_oss.FP4_VALUES[codes] * np.exp2(exp)[..., None].astype(np.float32)
   return blocks, scales, np.swapaxes(values.reshape(E, R, X), 1, 2)
 
 
@@ -214,8 +217,8 @@ def test_mxfp4_checkpoint_imports_its_dequantized_weights(mxfp4, saved, monkeypa
   d, dequantized = mxfp4
   monkeypatch.setattr(hf, "CHUNK", 2048)  # one expert's weights at a time
   decoded = []
-  decode = hf.mxfp4_to_float32
-  monkeypatch.setattr(hf, "mxfp4_to_float32",
+  decode = gpt_oss.mxfp4_to_float32
+  monkeypatch.setattr(gpt_oss, "mxfp4_to_float32",
                       lambda b, s: decoded.append(len(b)) or decode(b, s))
   cfg, params = mtjax.load_hf(d)
   assert decoded and max(decoded) == 1  # decoded a slab at a time, never a layer's experts at once

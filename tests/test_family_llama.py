@@ -6,6 +6,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+# After the skip: the parity harness imports torch and transformers.
 import parity  # noqa: E402
 
 SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
@@ -18,6 +19,7 @@ WINDOWED = {
 
 
 @pytest.mark.parametrize("family", list(WINDOWED))
+@parity.covers("mistral", "qwen2")
 def test_sliding_windows_equal_transformers(tmp_path, family):
   parity.save_tiny(WINDOWED[family](), tmp_path / "src")
   cfg, params, _ = parity.check_logits_and_gradients(tmp_path / "src")

@@ -8,14 +8,16 @@ import shutil
 import numpy as np
 import pytest
 
+import mtjax
+from mtjax import hf
+from mtjax.models import FamilyError, read_hf_config
+from numerics import REL_L2, errors
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import mtjax  # noqa: E402
+# After the skip: the parity harness imports torch and transformers.
 import parity  # noqa: E402
-from mtjax import hf  # noqa: E402
-from mtjax.models import FamilyError, read_hf_config  # noqa: E402
-from numerics import REL_L2, errors  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +43,13 @@ def _moves(cfg, params, other_cfg, other_params, factor: float = 100.0) -> float
   return moved
 
 
+@parity.covers("olmo2")
 def test_olmo2_equals_transformers(saved):
   d = saved
   cfg, params, _ = parity.check_logits_and_gradients(d / "src")
   assert (cfg.family, cfg.norm_position, cfg.qk_norm, cfg.qk_norm_scope) == (
       "olmo2", "post", True, "all")
-  assert (cfg.rope_theta, cfg.norm_eps) == (5e5, 1e-6)
+  assert (cfg.rope.theta, cfg.norm_eps) == (5e5, 1e-6)
   parity.feature_matters(cfg, params, qk_norm=False)
 
   # Per head instead of over the whole projection, with the same scale for each head's channels:

@@ -8,16 +8,18 @@ import shutil
 import numpy as np
 import pytest
 
+import mtjax
+from mtjax import hf
+from mtjax.config import ModelConfig
+from mtjax.models import FamilyError, read_hf_config
+from mtjax.models.layers import rope_inv_freq
+from numerics import assert_close
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import mtjax  # noqa: E402
+# After the skip: the parity harness imports torch and transformers.
 import parity  # noqa: E402
-from mtjax import hf  # noqa: E402
-from mtjax.config import ModelConfig  # noqa: E402
-from mtjax.models import FamilyError, read_hf_config  # noqa: E402
-from mtjax.models.layers import rope_inv_freq  # noqa: E402
-from numerics import assert_close  # noqa: E402
 
 ORIG = 8  # original_max_position_embeddings: a 12-token sequence is long, a 6-token one short
 LONG_T, SHORT_T = 12, 6
@@ -48,13 +50,14 @@ def saved(tmp_path_factory):
   return d, model
 
 
+@parity.covers("phi3")
 def test_phi3_equals_transformers_on_short_and_long_sequences(saved):
   d, model = saved
   # Long: 12 positions > original_max_position_embeddings, so the long factors (logits, loss and
   # every gradient, through the fused tensors split and fused again).
   cfg, params, _ = parity.check_logits_and_gradients(d / "src", T=LONG_T)
-  assert (cfg.family, cfg.rope_scaling, cfg.rope_original_max_len) == ("phi3", "longrope", ORIG)
-  assert (cfg.rope_partial, cfg.rotary_dim, cfg.rope_factor) == (0.75, 12, 8.0)
+  assert (cfg.family, cfg.rope.scaling, cfg.rope.original_max_len) == ("phi3", "longrope", ORIG)
+  assert (cfg.rope.partial, cfg.rotary_dim, cfg.rope.factor) == (0.75, 12, 8.0)
   assert cfg.layer_types == ("sliding",) * 2 and cfg.sliding_window == 5 and cfg.tie_embeddings
   # Short: 6 positions, the short factors.
   ids = parity.token_ids(cfg.vocab_size, T=SHORT_T)
@@ -64,11 +67,11 @@ def test_phi3_equals_transformers_on_short_and_long_sequences(saved):
 
   # Each feature moves the logits far beyond the parity bound: the factor set picked per length,
   # the attention factor, partial rotation, the window.
-  parity.feature_matters(cfg, params, T=LONG_T, rope_long_factor=tuple(SHORT))
-  parity.feature_matters(cfg, params, T=SHORT_T, rope_short_factor=tuple(LONG))
-  parity.feature_matters(cfg, params, rope_factor=1.0)
-  parity.feature_matters(cfg, params, rope_partial=1.0, rope_short_factor=(*SHORT, 1.0, 1.0),
-                         rope_long_factor=(*LONG, 1.0, 1.0))
+  parity.feature_matters(cfg, params, T=LONG_T, rope=dict(long_factor=tuple(SHORT)))
+  parity.feature_matters(cfg, params, T=SHORT_T, rope=dict(short_factor=tuple(LONG)))
+  parity.feature_matters(cfg, params, rope=dict(factor=1.0))
+  parity.feature_matters(cfg, params, rope=dict(partial=1.0, short_factor=(*SHORT, 1.0, 1.0),
+                                                long_factor=(*LONG, 1.0, 1.0)))
   parity.feature_matters(cfg, params, layer_types=None)
 
   parity.pieces_cover_every_parameter(cfg)

@@ -12,14 +12,17 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
+import mtjax
+from mtjax import cli, hf, models
+from mtjax.config import ModelConfig
+from mtjax.models.layers import token_nll
+from numerics import assert_close, errors, REL_L2, REL_MAX
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import mtjax  # noqa: E402
-from mtjax import cli, hf, models  # noqa: E402
-from mtjax.config import ModelConfig  # noqa: E402
-from mtjax.models.layers import token_nll  # noqa: E402
-from numerics import assert_close, errors, REL_L2, REL_MAX  # noqa: E402
+# After the skip: the parity harness imports torch and transformers.
+import parity  # noqa: E402
 
 BASE = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, intermediate_size=48, initializer_range=0.2)
@@ -104,6 +107,7 @@ def saved(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
+@parity.covers("llama", "mistral", "qwen2", "qwen3")
 def test_logits_match_transformers(saved, family):
   d, m = saved(family)
   n_shards = len(list(d.glob("*.safetensors")))
@@ -123,9 +127,10 @@ def test_logits_match_transformers(saved, family):
 def test_model_fields_llama3_rope(saved):
   d, _ = saved("llama3")
   f = hf.Checkpoint(d).model_fields()
-  assert f["rope_scaling"] == "llama3" and f["rope_theta"] == 500000.0
-  assert (f["rope_factor"], f["rope_low_freq_factor"], f["rope_high_freq_factor"],
-          f["rope_original_max_len"]) == (8.0, 1.0, 4.0, 16)
+  rope = f["rope"]
+  assert rope.scaling == "llama3" and rope.theta == 500000.0
+  assert (rope.factor, rope.low_freq_factor, rope.high_freq_factor, rope.original_max_len) == (
+      8.0, 1.0, 4.0, 16)
   legacy = json.loads((d / "config.json").read_text())  # transformers 4 spelling
   rope = legacy.pop("rope_parameters")
   legacy["rope_theta"] = rope.pop("rope_theta")
@@ -153,6 +158,7 @@ def mtjax_loss_and_grads(cfg, params, ids):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
+@parity.covers("llama", "mistral", "qwen2", "qwen3")
 def test_loss_and_gradients_match_torch_autograd(saved, family):
   d, _ = saved(family)
   cfg, params = load(d)
@@ -165,10 +171,17 @@ def test_loss_and_gradients_match_torch_autograd(saved, family):
     assert_close(got[k], want[k], name=k)
 
 
+def scaled(cfg, field: str, factor: float):
+  """`cfg` with the field at the dotted path `field` (`rope.theta`) multiplied by `factor`."""
+  head, _, rest = field.partition(".")
+  value = getattr(cfg, head)
+  return dataclasses.replace(cfg, **{head: scaled(value, rest, factor) if rest else value * factor})
+
+
 @pytest.mark.parametrize("family,field,factor", [("llama3", "norm_eps", 10.0),
                                                  ("qwen3", "norm_eps", 10.0),
-                                                 ("llama3", "rope_theta", 1.01),
-                                                 ("qwen3", "rope_theta", 1.01)])
+                                                 ("llama3", "rope.theta", 1.01),
+                                                 ("qwen3", "rope.theta", 1.01)])
 def test_parity_criterion_catches_a_wrong_norm_epsilon_or_rope_base(saved, family, field, factor):
   """The tolerance of the parity tests (tests/numerics.py) is no wider than the defects it must
   catch: a norm epsilon 10x off or a RoPE base 1% off fails it by a wide margin."""
@@ -176,8 +189,7 @@ def test_parity_criterion_catches_a_wrong_norm_epsilon_or_rope_base(saved, famil
   cfg, params = load(d)
   ids = token_ids(cfg.vocab_size, seed=1)
   _, want = torch_loss_and_grads(d, ids)
-  wrong = dataclasses.replace(cfg, **{field: getattr(cfg, field) * factor})
-  _, got = mtjax_loss_and_grads(wrong, params, ids)
+  _, got = mtjax_loss_and_grads(scaled(cfg, field, factor), params, ids)
   worst = max(errors(got[k], want[k]) for k in want)
   assert worst[0] > 5 * REL_L2 and worst[1] > 5 * REL_MAX, worst
 
@@ -310,6 +322,9 @@ def one_line(excinfo, *parts):
     (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}),
      ["low_freq_factor"]),
     (dict(hidden_size=None), ["hidden_size", "missing"]),
+    (dict(quantization_config={"quant_method": "gptq"}), ["quant_method='gptq'", "llama"]),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 2}),
+     ["model.rope.partial: 2.0 must be in (0, 1]"]),
 ])
 def test_unsupported_config_is_a_one_line_error(saved, edit, parts):
   d, _ = saved("llama3")
@@ -384,7 +399,7 @@ def test_import_holds_at_most_one_tensor_beside_the_state(tmp_path, dtype):
 
 
 def test_engine_gradients_on_an_imported_model_match_torch(tmp_path):
-  from mtjax import config, data, engine, launch, store as store_lib
+  from mtjax import data, engine, launch, store as store_lib
   build("qwen3", tmp_path / "src")
   cfg = cli.load_config(None, [f"model.from_hf={tmp_path / 'src'}", "engine.compute_dtype=float32",
                            "engine.device_state_layers=1", "engine.device_update_layers=1",
@@ -412,7 +427,7 @@ def test_engine_gradients_on_an_imported_model_match_torch(tmp_path):
 def test_fine_tune_from_hf_exports_a_model_transformers_loads(tmp_path):
   import subprocess
   import sys
-  from mtjax import checkpoint, config, store as store_lib, train
+  from mtjax import checkpoint, store as store_lib, train
   src = tmp_path / "src"
   build("llama3", src)
   for name, text in TOKENIZER.items():
@@ -459,7 +474,7 @@ def test_export_keeps_the_source_identity_from_any_directory(tmp_path, monkeypat
   import shutil
   import subprocess
   import sys
-  from mtjax import checkpoint, config, train
+  from mtjax import checkpoint, train
   build("mistral", tmp_path / "src")
   for name, text in TOKENIZER.items():
     (tmp_path / "src" / name).write_text(text)
@@ -520,3 +535,135 @@ def test_a_head_dim_written_out_is_the_same_model_as_one_left_derived(tmp_path):
   assert checkpoint.model_difference(saved, config.to_dict(config.load(tiny).model)) is None
   assert "model.head_dim" in checkpoint.model_difference(
       saved, config.to_dict(config.load(tiny, ["model.head_dim=8"]).model))
+
+
+def test_max_position_is_read_from_config_json_and_written_back(saved, tmp_path):
+  """config.json's max_position_embeddings is model.max_position: read on import (from_hf keeps
+  it), written back by an export with its own config.json, and a model that states none exports
+  its RoPE's context."""
+  d, _ = saved("llama3")
+  src = tmp_path / "src"
+  src.mkdir()
+  for f in d.iterdir():
+    (src / f.name).write_bytes(f.read_bytes())
+  config = json.loads((src / "config.json").read_text())
+  (src / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 77}))
+  cfg, params = load(src)
+  assert cfg.max_position == 77
+  out = hf.export(tmp_path / "out", cfg, iter(flats_of(cfg, params).items()), dtype="float32")
+  assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 77
+  assert load(out)[0].max_position == 77
+  run = cli.load_config(None, [f"model.from_hf={src}"])
+  assert run.model.max_position == 77
+  from mtjax import config
+  with pytest.raises(config.ConfigError, match=r"model\.max_position: 99 differs"):
+    cli.load_config(None, [f"model.from_hf={src}", "model.max_position=99"])
+  own = dataclasses.replace(cfg, max_position=None, from_hf=None)
+  out = hf.export(tmp_path / "own", own, iter(flats_of(cfg, params).items()), dtype="float32")
+  assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 16 * 8
+
+
+def test_every_registered_family_has_a_parity_test():
+  """Each family is held to transformers by a test marked `parity.covers` (which fails unless it
+  imports a checkpoint of its families): a family registered without one fails here, and so does
+  a mark naming a family that is not registered."""
+  import ast
+  covered = {}
+  for path in sorted(Path(__file__).parent.glob("test_*.py")):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.FunctionDef):
+        for d in node.decorator_list:
+          if (isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute)
+              and d.func.attr == "covers" and ast.unparse(d.func.value) == "parity"):
+            for a in d.args:
+              covered.setdefault(a.value, []).append(f"{path.name}::{node.name}")
+  registered = set(models.families())
+  assert registered - covered.keys() == set(), "families without a parity test"
+  assert covered.keys() - registered == set(), "parity marks naming no registered family"
+
+
+def test_a_family_is_declared_in_its_module_alone(tmp_path):
+  """A family module dropped into mtjax.models (here: a directory on its package path) is found
+  without a list to extend, its decoder of packed weights and its tolerated tensors are used by
+  the importer, and the generated README table and model.family row name it."""
+  import subprocess
+  import sys
+  import textwrap
+  (tmp_path / "fams").mkdir()
+  (tmp_path / "fams" / "tinypack.py").write_text(textwrap.dedent('''
+      """Llama's layers, with each weight stored as int8 rows and their fp32 scales."""
+      import numpy as np
+      from mtjax.models.common import standard_pieces
+      from mtjax.models.registry import Decoder, Family, FamilyError, get, register
+
+      class Int8Rows(Decoder):
+        quant_method = "int8rows"
+
+        def sources(self, stored, config, name, shape):
+          q = stored.get(name + "_q")
+          if q is None:
+            return None
+          if q.dtype != "I8" or q.shape != tuple(shape):
+            raise FamilyError(f"{q.file}: tensor {name}_q is {q.dtype} {list(q.shape)}")
+          return [name + "_q", name + "_scale"]
+
+        def decode(self, read, name):
+          return read(name + "_q").astype(np.float32) * read(name + "_scale")[:, None]
+
+      def read_config(config, where):
+        return get("llama").read_config(config, where)
+
+      register(Family("tinypack", ("TinyPackForCausalLM",), read_config,
+                      lambda cfg, dtype: {}, standard_pieces, decoders=(Int8Rows(),),
+                      ignored=lambda config, name: name.startswith("extra."),
+                      notes="made up for a test"))
+      '''))
+  script = textwrap.dedent(f'''
+      import json, sys
+      import numpy as np, safetensors.numpy
+      import mtjax
+      from mtjax import config_reference, hf, models
+      from mtjax.config import ModelConfig
+      sys.modules["mtjax.models"].__path__.append({str(tmp_path / "fams")!r})
+      d = {str(tmp_path / "ck")!r}
+      cfg = ModelConfig(vocab_size=64, hidden=16, layers=1, heads=2, ffn=24)
+      spec = models.spec(cfg)
+      rng = np.random.default_rng(0)
+      hf.export(d, cfg, [(g, rng.standard_normal(spec.group_layout(g).size).astype(np.float32))
+                         for g, _ in spec.groups], dtype="float32")
+      tensors = safetensors.numpy.load_file(d + "/model.safetensors")
+      name = "model.layers.0.mlp.up_proj.weight"
+      w = tensors.pop(name)
+      scale = (np.abs(w).max(1) / 127).astype(np.float32)
+      tensors[name + "_q"] = np.round(w / scale[:, None]).astype(np.int8)
+      tensors[name + "_scale"] = scale
+      tensors["extra.buffer"] = np.zeros(3, np.float32)
+      safetensors.numpy.save_file(tensors, d + "/model.safetensors")
+      config = json.load(open(d + "/config.json"))
+      config.update(architectures=["TinyPackForCausalLM"],
+                    quantization_config={{"quant_method": "int8rows"}})
+      json.dump(config, open(d + "/config.json", "w"))
+      got, params = mtjax.load_hf(d)
+      assert got.family == "tinypack" and models.get("tinypack").module == "mtjax.models.tinypack"
+      want = tensors[name + "_q"].astype(np.float32) * scale[:, None]
+      np.testing.assert_array_equal(mtjax.to_hf_names(got, params)[name], want)
+      assert "| `tinypack` | TinyPackForCausalLM | made up for a test |" in (
+          config_reference.family_table())
+      row = [r for r in config_reference.table(["model"]).splitlines() if "`model.family`" in r]
+      assert "tinypack" in row[0], row
+      print("found")
+      ''')
+  r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0 and r.stdout.strip() == "found", r.stderr[-3000:]
+
+
+def test_every_public_name_of_hf_is_used():
+  """hf holds no dead code: each public function or class is used outside hf.py."""
+  import inspect
+  root = Path(__file__).parent.parent
+  texts = [p.read_text() for d in ("mtjax", "tests", "benchmarks", "examples")
+           for p in (root / d).rglob("*.py") if p != root / "mtjax" / "hf.py"]
+  names = [n for n, v in vars(hf).items() if not n.startswith("_") and
+           (inspect.isfunction(v) or inspect.isclass(v)) and v.__module__ == hf.__name__]
+  unused = [n for n in names if not any(f"hf.{n}" in t or f" {n}(" in t for t in texts)]
+  assert not unused, unused

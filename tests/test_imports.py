@@ -9,19 +9,20 @@ what the package re-exports).
 import ast
 from pathlib import Path
 
+from mtjax import models
+
 ROOT = Path(__file__).parent.parent / "mtjax"
+FAMILY_MODULES = sorted({f.module for f in models.families().values()})
 
 # Lowest first. A module may import modules of its own layer or below, never above.
 LAYERS = [
-    ["mtjax.config", "mtjax.config_reference", "mtjax.exits"],
+    ["mtjax.config", "mtjax.exits"],
     ["mtjax.layout", "mtjax.attention", "mtjax.data"],
     ["mtjax.models.registry", "mtjax.models.layers", "mtjax.models.grouped"],
     ["mtjax.models.moe", "mtjax.models.mla", "mtjax.models.common"],
-    ["mtjax.models.block", "mtjax.models.llama", "mtjax.models.gemma", "mtjax.models.phi3",
-     "mtjax.models.olmo2", "mtjax.models.mixtral", "mtjax.models.qwen_moe",
-     "mtjax.models.gpt_oss", "mtjax.models.deepseek"],
+    ["mtjax.models.block", *FAMILY_MODULES],  # each family module, as the registry finds them
     ["mtjax.models.spec", "mtjax.models"],
-    ["mtjax.hf", "mtjax.optimizer", "mtjax.dpo", "mtjax.objectives"],
+    ["mtjax.hf", "mtjax.optimizer", "mtjax.dpo", "mtjax.objectives", "mtjax.config_reference"],
     ["mtjax.store", "mtjax.api", "mtjax.programs"],
     ["mtjax.checkpoint", "mtjax.engine"],
     ["mtjax.cli", "mtjax.runlog", "mtjax.report"],

@@ -39,8 +39,8 @@ def packed_ctx(B, T, seed):
        scaling=hst.sampled_from(["none", "linear", "llama3"]), T=hst.sampled_from([1, 7, 16]),
        qk_norm=hst.booleans(), packed=hst.booleans(), impl=hst.sampled_from(["xla", "blockwise"]))
 def test_block_equals_naive_reference(heads, kv, bias, scaling, T, qk_norm, packed, impl):
-  cfg = model_cfg(heads=heads, kv_heads=kv, head_dim=8, qkv_bias=bias, rope_scaling=scaling,
-                  rope_factor=4.0, rope_original_max_len=8, qk_norm=qk_norm)
+  cfg = model_cfg(heads=heads, kv_heads=kv, head_dim=8, qkv_bias=bias, qk_norm=qk_norm,
+                  rope=config.RopeConfig(scaling=scaling, factor=4.0, original_max_len=8))
   _, p = random_block(cfg)
   x = jax.random.normal(jax.random.key(1), (2, T, cfg.hidden))
   pos, seg = packed_ctx(2, T, T) if packed else (None, None)
@@ -53,8 +53,8 @@ def test_block_equals_naive_reference(heads, kv, bias, scaling, T, qk_norm, pack
 
 @pytest.mark.parametrize("scaling", ["none", "linear", "llama3"])
 def test_rope_frequencies_match_reference(scaling):
-  cfg = model_cfg(head_dim=64, heads=2, rope_scaling=scaling, rope_factor=8.0,
-                  rope_original_max_len=64, rope_theta=500000.0)
+  cfg = model_cfg(head_dim=64, heads=2, rope=config.RopeConfig(
+      scaling=scaling, factor=8.0, original_max_len=64, theta=500000.0))
   assert_close(layers.rope_inv_freq(cfg)[0], ref.inv_freq_np(cfg), name="inv_freq")
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from mtjax.config import ModelConfig
+from mtjax.config import ConfigError, ModelConfig, RopeConfig
 from mtjax.layout import Layout
 from mtjax.models.registry import FamilyError, Piece, block_index
 
@@ -47,7 +47,8 @@ class Reader:
     return value
 
   def shape(self) -> dict:
-    """The fields every decoder has: sizes, heads, the tied head, the norm epsilon."""
+    """The fields every decoder has: sizes, heads, the tied head, the norm epsilon, the longest
+    sequence."""
     hidden, heads = self.positive("hidden_size"), self.positive("num_attention_heads")
     kv = self.positive("num_key_value_heads", required=False) or heads
     head_dim = self.positive("head_dim", required=False) or hidden // heads
@@ -57,7 +58,9 @@ class Reader:
     vocab = self.positive("vocab_size")
     pad = self.c.get("pad_token_id")
     pad = pad if isinstance(pad, int) and not isinstance(pad, bool) and 0 <= pad < vocab else None
+    max_position = self.positive("max_position_embeddings", required=False)
     return dict(vocab_size=vocab, hidden=hidden, pad_token_id=pad,
+                max_position=None if max_position is None else int(max_position),
                 layers=self.positive("num_hidden_layers"), heads=heads, kv_heads=kv,
                 head_dim=None if head_dim * heads == hidden else head_dim,
                 ffn=self.positive("intermediate_size"),
@@ -72,7 +75,7 @@ class Reader:
     return allowed[value]
 
   def rope(self, layer_type: str | None = None) -> dict:
-    """RoPE fields: base, scaling rule and its parameters, partial rotation."""
+    """The `rope` field: base, scaling rule and its parameters, partial rotation."""
     key = "rope_parameters" if self.c.get("rope_parameters") is not None else "rope_scaling"
     rope = self.c.get(key) or {}
     if not isinstance(rope, dict):
@@ -82,7 +85,7 @@ class Reader:
     theta = rope.get("rope_theta", self.c.get("rope_theta", 10000.0))
     kind = rope.get("rope_type", rope.get("type", "default"))
     partial = rope.get("partial_rotary_factor", self.c.get("partial_rotary_factor", 1.0))
-    out = dict(rope_theta=float(theta), rope_partial=float(partial))
+    out = dict(theta=float(theta), partial=float(partial))
 
     def need(k):
       if rope.get(k) is None:
@@ -92,35 +95,38 @@ class Reader:
     orig = rope.get("original_max_position_embeddings",
                     self.c.get("original_max_position_embeddings"))
     if kind == "default":
-      return {**out, "rope_scaling": "none"}
-    if kind == "linear":
-      return {**out, "rope_scaling": "linear", "rope_factor": float(need("factor"))}
-    if kind == "llama3":
-      return {**out, "rope_scaling": "llama3", "rope_factor": float(need("factor")),
-              "rope_low_freq_factor": float(need("low_freq_factor")),
-              "rope_high_freq_factor": float(need("high_freq_factor")),
-              "rope_original_max_len": int(need("original_max_position_embeddings"))}
-    if kind == "longrope":
+      out.update(scaling="none")
+    elif kind == "linear":
+      out.update(scaling="linear", factor=float(need("factor")))
+    elif kind == "llama3":
+      out.update(scaling="llama3", factor=float(need("factor")),
+                 low_freq_factor=float(need("low_freq_factor")),
+                 high_freq_factor=float(need("high_freq_factor")),
+                 original_max_len=int(need("original_max_position_embeddings")))
+    elif kind == "longrope":
       orig = int(orig or self.get("max_position_embeddings"))
       factor = rope.get("factor") or self.get("max_position_embeddings") / orig
-      return {**out, "rope_scaling": "longrope", "rope_factor": float(factor),
-              "rope_original_max_len": orig,
-              "rope_short_factor": tuple(float(x) for x in need("short_factor")),
-              "rope_long_factor": tuple(float(x) for x in need("long_factor")),
-              "rope_attention_factor": _maybe_float(rope.get("attention_factor"))}
-    if kind == "yarn":
+      out.update(scaling="longrope", factor=float(factor), original_max_len=orig,
+                 short_factor=tuple(float(x) for x in need("short_factor")),
+                 long_factor=tuple(float(x) for x in need("long_factor")),
+                 attention_factor=_maybe_float(rope.get("attention_factor")))
+    elif kind == "yarn":
       orig = int(orig or need("original_max_position_embeddings"))
       factor = rope.get("factor") or self.get("max_position_embeddings") / orig
-      return {**out, "rope_scaling": "yarn", "rope_factor": float(factor),
-              "rope_original_max_len": orig,
-              "rope_beta_fast": float(rope.get("beta_fast") or 32.0),
-              "rope_beta_slow": float(rope.get("beta_slow") or 1.0),
-              "rope_mscale": float(rope.get("mscale") or 0.0),
-              "rope_mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0),
-              "rope_attention_factor": _maybe_float(rope.get("attention_factor")),
-              "rope_truncate": bool(rope.get("truncate", True))}
-    raise FamilyError(f"{self.where}: {key} rope_type {kind!r} unsupported (default, linear, "
-                      f"llama3, longrope, yarn)")
+      out.update(scaling="yarn", factor=float(factor), original_max_len=orig,
+                 beta_fast=float(rope.get("beta_fast") or 32.0),
+                 beta_slow=float(rope.get("beta_slow") or 1.0),
+                 mscale=float(rope.get("mscale") or 0.0),
+                 mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+                 attention_factor=_maybe_float(rope.get("attention_factor")),
+                 truncate=bool(rope.get("truncate", True)))
+    else:
+      raise FamilyError(f"{self.where}: {key} rope_type {kind!r} unsupported (default, linear, "
+                        f"llama3, longrope, yarn)")
+    try:
+      return {"rope": RopeConfig(**out)}
+    except ConfigError as e:  # a value mtjax's RoPE cannot take, named as config.json spells it
+      raise FamilyError(f"{self.where}: {key}={rope!r} unsupported ({e})") from None
 
   def layer_types(self, layers: int, default: str = "full") -> tuple[str, ...] | None:
     """`layer_types` as mtjax's full/sliding, or None when every layer is full."""
@@ -140,32 +146,31 @@ def _maybe_float(x):
 
 def rope_parameters(cfg: ModelConfig) -> dict:
   """transformers 5's `rope_parameters` of a config (the base inside)."""
-  rope = {"rope_type": "default" if cfg.rope_scaling == "none" else cfg.rope_scaling,
-          "rope_theta": cfg.rope_theta}
-  if cfg.rope_partial != 1.0:
-    rope["partial_rotary_factor"] = cfg.rope_partial
-  if cfg.rope_scaling in ("linear", "llama3", "longrope", "yarn"):
-    rope["factor"] = cfg.rope_factor
-  if cfg.rope_scaling == "llama3":
-    rope.update(low_freq_factor=cfg.rope_low_freq_factor,
-                high_freq_factor=cfg.rope_high_freq_factor,
-                original_max_position_embeddings=cfg.rope_original_max_len)
-  if cfg.rope_scaling == "longrope":
-    rope.update(short_factor=list(cfg.rope_short_factor), long_factor=list(cfg.rope_long_factor),
-                original_max_position_embeddings=cfg.rope_original_max_len)
-  if cfg.rope_scaling == "yarn":
-    rope.update(beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow,
-                original_max_position_embeddings=cfg.rope_original_max_len,
-                truncate=cfg.rope_truncate)
-    if cfg.rope_mscale or cfg.rope_mscale_all_dim:
-      rope.update(mscale=cfg.rope_mscale, mscale_all_dim=cfg.rope_mscale_all_dim)
-  if cfg.rope_scaling != "none" and cfg.rope_attention_factor is not None:
-    rope["attention_factor"] = cfg.rope_attention_factor
+  r = cfg.rope
+  rope = {"rope_type": "default" if r.scaling == "none" else r.scaling, "rope_theta": r.theta}
+  if r.partial != 1.0:
+    rope["partial_rotary_factor"] = r.partial
+  if r.scaling in ("linear", "llama3", "longrope", "yarn"):
+    rope["factor"] = r.factor
+  if r.scaling == "llama3":
+    rope.update(low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor,
+                original_max_position_embeddings=r.original_max_len)
+  if r.scaling == "longrope":
+    rope.update(short_factor=list(r.short_factor), long_factor=list(r.long_factor),
+                original_max_position_embeddings=r.original_max_len)
+  if r.scaling == "yarn":
+    rope.update(beta_fast=r.beta_fast, beta_slow=r.beta_slow,
+                original_max_position_embeddings=r.original_max_len, truncate=r.truncate)
+    if r.mscale or r.mscale_all_dim:
+      rope.update(mscale=r.mscale, mscale_all_dim=r.mscale_all_dim)
+  if r.scaling != "none" and r.attention_factor is not None:
+    rope["attention_factor"] = r.attention_factor
   return rope
 
 
 def base_config(cfg: ModelConfig, arch: str, model_type: str, dtype: str) -> dict:
   """The config.json keys every decoder family writes."""
+  r = cfg.rope
   return {
       "architectures": [arch], "model_type": model_type,
       "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden, "intermediate_size": cfg.ffn,
@@ -173,12 +178,12 @@ def base_config(cfg: ModelConfig, arch: str, model_type: str, dtype: str) -> dic
       "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.dim_per_head,
       "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
       "pad_token_id": cfg.pad_token_id,
-      # mtjax has no notion of a maximum length; this is only what generation tools read.
-      "max_position_embeddings": max(cfg.rope_original_max_len,
-                                     int(cfg.rope_original_max_len * cfg.rope_factor)),
+      # A model that states no length gets its RoPE's context (what generation tools read).
+      "max_position_embeddings": cfg.max_position or max(r.original_max_len,
+                                                         int(r.original_max_len * r.factor)),
       # Both spellings: transformers >= 5 reads rope_parameters, older readers rope_theta/scaling.
-      "rope_theta": cfg.rope_theta, "rope_parameters": rope_parameters(cfg),
-      "rope_scaling": None if cfg.rope_scaling == "none" else rope_parameters(cfg),
+      "rope_theta": r.theta, "rope_parameters": rope_parameters(cfg),
+      "rope_scaling": None if r.scaling == "none" else rope_parameters(cfg),
       "torch_dtype": dtype,
   }
 

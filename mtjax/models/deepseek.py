@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from mtjax.config import MLAConfig, ModelConfig, MoEConfig
 from mtjax.layout import Layout
-from mtjax.models.registry import Family, FamilyError, Piece, block_index, register
+from mtjax.models.registry import (Family, FamilyError, Piece, block_index, register,
+                                   rotary_buffers)
 from mtjax.models.common import Reader, base_config, expert_pieces, standard_pieces
 
 # transformers' defaults for keys a config.json may leave out (DeepseekV2Config, DeepseekV3Config).
@@ -37,7 +38,7 @@ _DEFAULTS = {
     3: dict(_COMMON, first_k_dense_replace=3, n_routed_experts=256, n_shared_experts=1,
             moe_intermediate_size=2048, routed_scaling_factor=2.5, n_group=8, topk_group=4,
             num_experts_per_tok=8, norm_topk_prob=True, rope_interleave=True,
-            num_key_value_heads=128),
+            num_key_value_heads=128, num_nextn_predict_layers=1),
 }
 # config.json's other spellings of the expert count (transformers' attribute_map).
 _EXPERTS_ALIAS = {2: "num_experts", 3: "num_local_experts"}
@@ -114,11 +115,12 @@ def _read(version: int):
     if fields["kv_heads"] != fields["heads"]:
       r.refuse("num_key_value_heads", "latent attention expands keys and values for each of "
                f"the num_attention_heads={fields['heads']} heads")
-    rope = fields["rope_scaling"]
-    if rope not in ("none", "yarn"):
+    rope = fields["rope"]
+    if rope.scaling not in ("none", "yarn"):
       r.refuse("rope_parameters" if config.get("rope_parameters") else "rope_scaling",
-               f"rope_type {rope!r}: DeepSeek's latent attention takes default or yarn RoPE")
-    if fields["rope_partial"] != 1.0:
+               f"rope_type {rope.scaling!r}: DeepSeek's latent attention takes default or yarn "
+               f"RoPE")
+    if rope.partial != 1.0:
       r.refuse("partial_rotary_factor", "qk_rope_head_dim sets the rotated channels")
     mla = _mla(r, version)
     # transformers sets head_dim to qk_rope_head_dim; mtjax's heads are the MLA config's widths.
@@ -186,9 +188,18 @@ def pieces(cfg: ModelConfig, group: str, layout: Layout) -> list[Piece]:
   return out
 
 
-def _ignored_v3(name: str) -> bool:
-  # DeepSeek-V3's multi-token-prediction layer, which transformers does not load either.
-  return name.endswith(".rotary_emb.inv_freq") or name.startswith("model.layers.61.")
+def _ignored(version: int):
+  def ignored(config: dict, name: str) -> bool:
+    """RoPE buffers, and the multi-token-prediction layers (V3: `num_nextn_predict_layers` of
+    them after the num_hidden_layers decoder layers), which transformers does not load either."""
+    if rotary_buffers(config, name):
+      return True
+    r = Reader(config, "config.json", _DEFAULTS[version])
+    layers, extra = r.opt("num_hidden_layers"), r.opt("num_nextn_predict_layers", 0)
+    if not (isinstance(layers, int) and isinstance(extra, int)):
+      return False  # no counts to place the layers by
+    return any(name.startswith(f"model.layers.{i}.") for i in range(layers, layers + extra))
+  return ignored
 
 
 NOTES = {
@@ -199,9 +210,8 @@ NOTES = {
     3: ("DeepSeek-V3 and its architecture in bf16/fp32 (no FP8): sigmoid router, group-limited by "
         "each group's best two, with the score correction bias (a parameter that stays as "
         "imported: no gradient, no load-based update), shared experts, YaRN mscale; the "
-        "multi-token-prediction layer model.layers.61 is skipped, as transformers"),
+        "multi-token-prediction layers (num_nextn_predict_layers) are skipped, as transformers"),
 }
-register(Family("deepseek_v2", ("DeepseekV2ForCausalLM",), _read(2), _write(2), pieces,
-                notes=NOTES[2]))
-register(Family("deepseek_v3", ("DeepseekV3ForCausalLM",), _read(3), _write(3), pieces,
-                ignored=_ignored_v3, notes=NOTES[3]))
+for version in (2, 3):
+  register(Family(_ARCH[version][0], (_ARCH[version][1],), _read(version), _write(version), pieces,
+                  ignored=_ignored(version), notes=NOTES[version]))

@@ -5,7 +5,7 @@ Both scale the embedding by sqrt(hidden) (rounded to the activations' dtype), sc
 gated MLP, scale the attention logits by query_pre_attn_scalar^-0.5 and alternate sliding-window
 layers with global ones (`layer_types`). Gemma 2 soft-caps the attention and the final logits.
 Gemma 3 adds q/k norms per head and rotates sliding layers by a base of their own
-(`rope_local_theta`, unscaled) while the global layers take `full_attention`'s base and scaling;
+(`rope.local_theta`, unscaled) while the global layers take `full_attention`'s base and scaling;
 transformers' Gemma 3 applies no attention soft-cap whatever `attn_logit_softcapping` says, so
 neither does mtjax.
 
@@ -18,9 +18,11 @@ level's `tie_word_embeddings`.
 
 from __future__ import annotations
 
+import dataclasses
+
 from mtjax.config import ModelConfig
 from mtjax.layout import Layout
-from mtjax.models.registry import Family, FamilyError, Piece, register
+from mtjax.models.registry import Family, FamilyError, Piece, register, rotary_buffers
 from mtjax.models.common import (Reader, base_config, layer_type_names, rope_parameters,
                                  standard_pieces)
 
@@ -80,11 +82,11 @@ def _gemma3_rope(r: Reader) -> dict:
   fields = Reader({"rope_parameters": full}, f"{where}.full_attention").rope()
   if local == full:  # sliding layers rotate as global ones
     return fields
-  sliding = Reader({"rope_parameters": local}, f"{where}.sliding_attention").rope()
-  if sliding["rope_scaling"] != "none" or sliding["rope_partial"] != 1.0:
+  sliding = Reader({"rope_parameters": local}, f"{where}.sliding_attention").rope()["rope"]
+  if sliding.scaling != "none" or sliding.partial != 1.0:
     r.refuse("rope_parameters", "sliding_attention must be an unscaled default RoPE, or the same "
              "as full_attention")
-  return {**fields, "rope_local_theta": sliding["rope_theta"]}
+  return {"rope": dataclasses.replace(fields["rope"], local_theta=sliding.theta)}
 
 
 def _read_text(family: str, config: dict, where: str, final_softcap: bool = True) -> dict:
@@ -100,7 +102,7 @@ def _read_text(family: str, config: dict, where: str, final_softcap: bool = True
     fields.update(r.rope())
   else:
     fields.update(_gemma3_rope(r), qk_norm=True)
-  if fields["rope_partial"] != 1.0 or r.opt("partial_rotary_factor", 1.0) != 1.0:
+  if fields["rope"].partial != 1.0 or r.opt("partial_rotary_factor", 1.0) != 1.0:
     r.refuse("partial_rotary_factor", "Gemma rotates every channel of a head")
   layers = fields["layers"]
   types = _layer_types(r, family, layers)
@@ -150,8 +152,8 @@ def _write_text(cfg: ModelConfig, arch: str, model_type: str, dtype: str) -> dic
              attention_bias=False, use_bidirectional_attention=False)
   if model_type != "gemma2":  # rope per layer type; no flat keys, which Gemma 3 would not read
     full = rope_parameters(cfg)
-    local = (full if cfg.rope_local_theta is None
-             else {"rope_type": "default", "rope_theta": cfg.rope_local_theta})
+    local = (full if cfg.rope.local_theta is None
+             else {"rope_type": "default", "rope_theta": cfg.rope.local_theta})
     out.update(rope_parameters={"full_attention": full, "sliding_attention": local})
     for key in ("rope_theta", "rope_scaling"):
       out.pop(key)
@@ -176,10 +178,10 @@ def _pieces_vl(cfg: ModelConfig, group: str, layout: Layout) -> list[Piece]:
           for p in standard_pieces(cfg, group, layout)]
 
 
-def _vision(name: str) -> bool:
+def _vision(config: dict, name: str) -> bool:
   """The vision tower's and projector's tensors and RoPE buffers: tolerated, not read."""
   return (name.startswith(("vision_tower.", "multi_modal_projector."))
-          or name.endswith(".rotary_emb.inv_freq"))
+          or rotary_buffers(config, name))
 
 
 register(Family(

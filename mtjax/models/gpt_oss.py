@@ -13,12 +13,14 @@ fp32), as any mtjax export.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
 from mtjax.config import ModelConfig, MoEConfig
 from mtjax.layout import Layout
-from mtjax.models.registry import Family, FamilyError, Piece, block_index, register
+from mtjax.models.registry import (Decoder, Family, FamilyError, Piece, Stored, block_index,
+                                   register)
 from mtjax.models.common import Reader, base_config, layer_type_names, standard_pieces
 
 # transformers' GptOssConfig defaults for keys a config.json may leave out.
@@ -31,10 +33,6 @@ _DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_s
 
 
 def _read(config: dict, where: str) -> dict:
-  quant = config.get("quantization_config")
-  if quant is not None and (not isinstance(quant, dict) or quant.get("quant_method") != "mxfp4"):
-    raise FamilyError(f"{where}: quantization_config={quant!r} unsupported (mtjax reads GPT-OSS in "
-                      f"bf16, fp16, fp32 or MXFP4 experts)")
   defaults = dict(_DEFAULTS)
   if config.get("rope_parameters") is None and config.get("rope_scaling") is None:
     defaults["rope_parameters"] = _DEFAULT_ROPE
@@ -118,8 +116,93 @@ def _pieces(cfg: ModelConfig, group: str, layout: Layout) -> list[Piece]:
 
 
 
+
+# ----------------------------------------------------------------------------------------- MXFP4
+
+# The fp4 e2m1 values of a nibble (an e8m0 byte e scales them by 2 ** (e - 127)).
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                       -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def mxfp4_to_float32(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+  """MXFP4 blocks [E, R, G, 16] (uint8, low nibble first) and scales [E, R, G] (uint8 e8m0) as the
+  fp32 tensor [E, G * 32, R] transformers' `convert_moe_packed_tensors` gives."""
+  blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
+  values = np.stack([FP4_VALUES[blocks & 0x0F], FP4_VALUES[blocks >> 4]], axis=-1)
+  # x * 2 ** e exactly, rounded once to fp32 (e = 128 overflows to inf but for 0 and 0.5), as
+  # torch.ldexp gives.
+  with np.errstate(over="ignore"):
+    values = np.ldexp(values.reshape(*scales.shape, 32), (scales.astype(np.int32) - 127)[..., None])
+  return np.swapaxes(values.reshape(*scales.shape[:-1], -1), 1, 2)
+
+
+class _Lazy:
+  """A dequantized tensor decoded only when read as an array: a slice of its first axis and then
+  one index of the others narrow it first, so an import decodes one slab of experts at a time
+  (the importer copies a few million elements per slab) instead of a whole layer's in fp32."""
+
+  def __init__(self, blocks, scales, rows: range | None = None, tail: tuple = ()):
+    self.blocks, self.scales, self.tail = blocks, scales, tail
+    self.rows = range(blocks.shape[0]) if rows is None else rows
+    E, R, G, _ = blocks.shape
+    full = np.broadcast_to(np.float32(0), (len(self.rows), G * 32, R))
+    self.shape = full[(slice(None), *tail)].shape
+    self.ndim = len(self.shape)
+    self.dtype = np.dtype(np.float32)
+
+  def __getitem__(self, index):
+    index = index if isinstance(index, tuple) else (index,)
+    first, rest = index[0], index[1:]
+    if isinstance(first, slice) and first.step in (None, 1) and not (rest and self.tail):
+      return _Lazy(self.blocks, self.scales, self.rows[first], rest or self.tail)
+    return np.asarray(self)[index]  # any other index: decoded whole, then indexed
+
+  def __array__(self, dtype=None, copy=None):
+    r = slice(self.rows.start, self.rows.stop)
+    out = mxfp4_to_float32(self.blocks[r], self.scales[r])[(slice(None), *self.tail)]
+    return out if dtype is None else out.astype(dtype)
+
+
+class MXFP4(Decoder):
+  """An expert weight `X` stored as MXFP4 `X_blocks` and `X_scales`, as OpenAI's checkpoints
+  keep gate_up_proj and down_proj; decoded bit for bit as transformers does."""
+
+  quant_method = "mxfp4"
+
+  def sources(self, stored: Mapping[str, Stored], config: dict, name: str,
+              shape: tuple[int, ...]) -> list[str] | None:
+    bn, sn = f"{name}_blocks", f"{name}_scales"
+    b, s = stored.get(bn), stored.get(sn)
+    if b is None and s is None:
+      return None
+    if b is None or s is None:
+      have, lacks = (bn, sn) if s is None else (sn, bn)
+      raise FamilyError(f"{stored[have].file}: tensor {have} without {lacks} (MXFP4 needs both)")
+    quant = config.get("quantization_config")
+    if not isinstance(quant, dict) or quant.get("quant_method") != self.quant_method:
+      raise FamilyError(f"{b.file}: tensor {bn} is MXFP4 but config.json has no "
+                        f"quantization_config with quant_method 'mxfp4'")
+    for n, e, ndim in ((bn, b, 4), (sn, s, 3)):
+      if e.dtype != "U8" or len(e.shape) != ndim:
+        raise FamilyError(f"{e.file}: tensor {n} is {e.dtype} {list(e.shape)}, expected uint8 of "
+                          f"{ndim} dimensions (MXFP4)")
+      if e.nbytes != int(np.prod(e.shape)) or e.start + e.nbytes > e.file.stat().st_size:
+        raise FamilyError(f"{e.file}: tensor {n} does not fit its shape or the file (truncated?)")
+    if b.shape[-1] != 16 or b.shape[:-1] != s.shape:
+      raise FamilyError(f"{b.file}: tensor {bn} {list(b.shape)} does not pair with {sn} "
+                        f"{list(s.shape)} (expected [..., 16] blocks over its scales)")
+    E, R, G, _ = b.shape
+    if (E, G * 32, R) != tuple(shape):
+      raise FamilyError(f"{b.file}: tensor {bn} decodes to {[E, G * 32, R]}, expected "
+                        f"{list(shape)}")
+    return [bn, sn]
+
+  def decode(self, read: Callable[[str], np.ndarray], name: str) -> _Lazy:
+    return _Lazy(read(f"{name}_blocks"), read(f"{name}_scales"))
+
+
 register(Family(
-    "gpt_oss", ("GptOssForCausalLM",), _read, _write, _pieces,
+    "gpt_oss", ("GptOssForCausalLM",), _read, _write, _pieces, decoders=(MXFP4(),),
     notes="GPT-OSS 20b/120b: attention sinks, q/k/v/o biases, alternating sliding/full layers, "
           "YaRN, top-k softmax router with a bias, clamped-SwiGLU experts with biases; MXFP4 "
           "experts dequantized on import (exports bf16/fp32)"))

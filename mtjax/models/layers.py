@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from mtjax import attention
-from mtjax.config import ModelConfig
+from mtjax.config import ModelConfig, RopeConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,38 +45,38 @@ def rope_inv_freq(cfg: ModelConfig, layer_type: str = "full", long: bool = False
                   ) -> tuple[jax.Array, float]:
   """Per-pair rotation frequencies of the RoPE channels and the factor cos/sin are scaled by.
 
-  Sliding layers with `rope_local_theta` (Gemma 3) rotate by that base, unscaled. `longrope`
+  Sliding layers with `rope.local_theta` (Gemma 3) rotate by that base, unscaled. `longrope`
   takes its long factors when `long` (see `rope_tables`).
   """
+  r = cfg.rope
   dim = cfg.rotary_dim
-  theta = cfg.rope_theta
-  scaling = cfg.rope_scaling
-  if layer_type == "sliding" and cfg.rope_local_theta is not None:
-    theta, scaling = cfg.rope_local_theta, "none"
+  theta, scaling = r.theta, r.scaling
+  if layer_type == "sliding" and r.local_theta is not None:
+    theta, scaling = r.local_theta, "none"
   exponent = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
   inv_freq = 1.0 / (theta ** exponent)
   factor = 1.0
   if scaling == "linear":
-    inv_freq = inv_freq / cfg.rope_factor
+    inv_freq = inv_freq / r.factor
   elif scaling == "llama3":
-    low_wavelen = cfg.rope_original_max_len / cfg.rope_low_freq_factor
-    high_wavelen = cfg.rope_original_max_len / cfg.rope_high_freq_factor
+    low_wavelen = r.original_max_len / r.low_freq_factor
+    high_wavelen = r.original_max_len / r.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
-    scaled = jnp.where(wavelen > low_wavelen, inv_freq / cfg.rope_factor, inv_freq)
-    smooth = ((cfg.rope_original_max_len / wavelen - cfg.rope_low_freq_factor)
-              / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor))
-    smoothed = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / r.factor, inv_freq)
+    smooth = ((r.original_max_len / wavelen - r.low_freq_factor)
+              / (r.high_freq_factor - r.low_freq_factor))
+    smoothed = (1 - smooth) * scaled / r.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     inv_freq = jnp.where(medium, smoothed, scaled)
   elif scaling == "longrope":
-    ext = jnp.asarray(cfg.rope_long_factor if long else cfg.rope_short_factor, jnp.float32)
+    ext = jnp.asarray(r.long_factor if long else r.short_factor, jnp.float32)
     inv_freq = 1.0 / (ext * theta ** exponent)
-    f = cfg.rope_factor
-    factor = 1.0 if f <= 1 else math.sqrt(1 + math.log(f) / math.log(cfg.rope_original_max_len))
+    f = r.factor
+    factor = 1.0 if f <= 1 else math.sqrt(1 + math.log(f) / math.log(r.original_max_len))
   elif scaling == "yarn":
-    inv_freq, factor = _yarn(cfg, theta, dim)
-  if scaling != "none" and cfg.rope_attention_factor is not None:
-    factor = cfg.rope_attention_factor
+    inv_freq, factor = _yarn(r, theta, dim)
+  if scaling != "none" and r.attention_factor is not None:
+    factor = r.attention_factor
   return inv_freq, factor
 
 
@@ -85,19 +85,19 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
   return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _yarn(cfg: ModelConfig, theta: float, dim: int) -> tuple[jax.Array, float]:
+def _yarn(r: RopeConfig, theta: float, dim: int) -> tuple[jax.Array, float]:
   """YaRN: interpolated low frequencies, extrapolated high ones, a linear ramp between."""
-  f, orig = cfg.rope_factor, cfg.rope_original_max_len
-  if cfg.rope_mscale and cfg.rope_mscale_all_dim:
-    factor = yarn_mscale(f, cfg.rope_mscale) / yarn_mscale(f, cfg.rope_mscale_all_dim)
+  f, orig = r.factor, r.original_max_len
+  if r.mscale and r.mscale_all_dim:
+    factor = yarn_mscale(f, r.mscale) / yarn_mscale(f, r.mscale_all_dim)
   else:
     factor = yarn_mscale(f)
 
   def correction_dim(rotations):
     return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-  low, high = correction_dim(cfg.rope_beta_fast), correction_dim(cfg.rope_beta_slow)
-  if cfg.rope_truncate:
+  low, high = correction_dim(r.beta_fast), correction_dim(r.beta_slow)
+  if r.truncate:
     low, high = math.floor(low), math.ceil(high)
   low, high = max(low, 0), min(high, dim - 1)
   if low == high:
@@ -117,9 +117,10 @@ def rope_tables(cfg: ModelConfig, positions_BxT: jax.Array, layer_type: str = "f
   `longrope` takes its long factors when the longest position exceeds the pre-training length,
   as transformers decides per batch.
   """
+  r = cfg.rope
   inv_freq, factor = rope_inv_freq(cfg, layer_type)
-  if cfg.rope_scaling == "longrope" and not (layer_type == "sliding" and cfg.rope_local_theta):
-    long = jnp.max(positions_BxT) + 1 > cfg.rope_original_max_len
+  if r.scaling == "longrope" and not (layer_type == "sliding" and r.local_theta):
+    long = jnp.max(positions_BxT) + 1 > r.original_max_len
     inv_freq = jnp.where(long, rope_inv_freq(cfg, layer_type, long=True)[0], inv_freq)
   angles_BxTxR2 = positions_BxT.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
   return jnp.cos(angles_BxTxR2) * factor, jnp.sin(angles_BxTxR2) * factor

@@ -28,8 +28,8 @@ def score_scale(cfg: ModelConfig) -> float:
     return cfg.query_scale
   m = cfg.mla
   scale = (m.qk_nope_dim + m.qk_rope_dim) ** -0.5
-  if cfg.rope_scaling == "yarn" and cfg.rope_mscale_all_dim:
-    scale *= yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim) ** 2
+  if cfg.rope.scaling == "yarn" and cfg.rope.mscale_all_dim:
+    scale *= yarn_mscale(cfg.rope.factor, cfg.rope.mscale_all_dim) ** 2
   return scale
 
 

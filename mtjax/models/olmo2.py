@@ -20,8 +20,8 @@ def _read(config: dict, where: str) -> dict:
     r.refuse("attention_bias", "mtjax's olmo2 family has no q/k/v/o biases")
   fields = dict(r.shape(), **r.rope(), mlp_act=act, norm_position="post", qk_norm=True,
                 qk_norm_scope="all")
-  if fields["rope_partial"] != 1.0:
-    raise FamilyError(f"{where}: partial_rotary_factor={fields['rope_partial']} unsupported "
+  if fields["rope"].partial != 1.0:
+    raise FamilyError(f"{where}: partial_rotary_factor={fields['rope'].partial} unsupported "
                       f"(transformers' OLMo 2 rotates whole heads)")
   return fields
 

@@ -51,11 +51,11 @@ def _read(config: dict, where: str) -> dict:
   r = Reader(_rope_config(config, where), where, _DEFAULTS)
   act = r.act("hidden_act", {"silu": "silu"})
   fields = dict(r.shape(), **r.rope(), mlp_act=act)
-  if fields["rope_scaling"] == "longrope":
-    half = int((fields["head_dim"] or fields["hidden"] // fields["heads"])
-               * fields["rope_partial"]) // 2
+  rope = fields["rope"]
+  if rope.scaling == "longrope":
+    half = int((fields["head_dim"] or fields["hidden"] // fields["heads"]) * rope.partial) // 2
     for k in ("short_factor", "long_factor"):
-      n = len(fields[f"rope_{k}"])
+      n = len(getattr(rope, k))
       if n != half:
         raise FamilyError(f"{where}: rope {k} has {n} values, expected {half} (half the RoPE "
                           f"channels of a head)")
@@ -68,7 +68,7 @@ def _read(config: dict, where: str) -> dict:
 def _write(cfg: ModelConfig, dtype: str) -> dict:
   types = set(cfg.layer_types or ("full",))
   out = base_config(cfg, "Phi3ForCausalLM", "phi3", dtype)
-  out.update(hidden_act="silu", original_max_position_embeddings=cfg.rope_original_max_len,
+  out.update(hidden_act="silu", original_max_position_embeddings=cfg.rope.original_max_len,
              sliding_window=cfg.sliding_window if types == {"sliding"} else None,
              # Phi3Config's token ids are Phi-3's tokenizer's: unknown here, and a pad id beyond
              # the vocabulary would not load.

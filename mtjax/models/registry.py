@@ -1,13 +1,19 @@
-"""The family registry: what a family declares (config translation, tensor map), and the lookups by
-name and by config.json architecture. The family modules register themselves on import; the
-registry imports them (by name, on the first lookup) so that every family is known."""
+"""The family registry: what a family declares (config translation, tensor map, packed weights'
+decoders, tolerated tensors, notes), and the lookups by name and by config.json architecture.
+
+A family is declared in its module alone: the module registers it when imported, and the first
+lookup imports every module of mtjax.models, so a new module is found without a list to extend.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
-from collections.abc import Callable
+import pkgutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import numpy as np
 
 from mtjax.config import ConfigError, ModelConfig
 from mtjax.layout import Layout
@@ -34,8 +40,44 @@ class Piece:
 
 
 @dataclasses.dataclass(frozen=True)
+class Stored:
+  """A tensor as a checkpoint's header describes it: what a decoder checks before anything is
+  read."""
+  file: Path  # the shard that holds it
+  dtype: str  # the safetensors dtype: "BF16", "F32", "U8", ...
+  shape: tuple[int, ...]
+  start: int  # absolute byte offset of its data in the file
+  nbytes: int
+
+
+class Decoder:
+  """A weight a checkpoint stores in another form than the tensor itself (MXFP4 blocks and
+  scales, say), decoded on import; a family lists its own (`Family.decoders`)."""
+
+  quant_method: str  # config.json's quantization_config.quant_method whose tensors this decodes
+
+  def sources(self, stored: Mapping[str, Stored], config: dict, name: str,
+              shape: tuple[int, ...]) -> list[str] | None:
+    """The stored tensors weight `name` (of `shape`) decodes from, checked against their headers
+    and config.json; None when the checkpoint holds none of them. Raises FamilyError, naming the
+    tensor, on any that cannot be decoded."""
+    raise NotImplementedError
+
+  def decode(self, read: Callable[[str], np.ndarray], name: str) -> np.ndarray:
+    """Weight `name` as fp32 (an array, or a lazy object numpy reads as one), its stored tensors
+    read by `read(stored name)` as they are on disk."""
+    raise NotImplementedError
+
+
+def rotary_buffers(config: dict, name: str) -> bool:
+  """Derived RoPE buffers (`*.rotary_emb.inv_freq`) some checkpoints carry: not weights."""
+  return name.endswith(".rotary_emb.inv_freq")
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
-  """A model family: its Hugging Face names, config translation and tensor map.
+  """A model family: its Hugging Face names, config translation and tensor map, all declared by
+  its module under mtjax/models (the registry finds every module there).
 
   Attributes:
     name: the registry name (`model.family`).
@@ -47,8 +89,12 @@ class Family:
       "head").
     aux_loss: the model's auxiliary loss from the blocks' sums (see `ModelSpec.aux_loss`); None
       takes mtjax.models.moe.aux_loss for a mixture of experts.
-    ignored: names of checkpoint tensors that are not weights (derived buffers), tolerated.
+    decoders: the packed forms of weights its checkpoints may store (`Decoder`s); a
+      quantization_config whose quant_method none of them decodes is refused.
+    ignored: (config.json dict, tensor name) -> whether a checkpoint tensor that is no weight of
+      the model (a derived buffer, a head transformers does not load either) is tolerated.
     notes: what it supports and what not, one line (README's family table).
+    module: the module that declares it (its config translation's).
   """
   name: str
   architectures: tuple[str, ...]
@@ -56,30 +102,37 @@ class Family:
   write_config: Callable[[ModelConfig, str], dict]
   pieces: Callable[[ModelConfig, str, Layout], list[Piece]]
   aux_loss: Callable | None = None
-  ignored: Callable[[str], bool] = lambda name: name.endswith(".rotary_emb.inv_freq")
+  decoders: tuple[Decoder, ...] = ()
+  ignored: Callable[[dict, str], bool] = rotary_buffers
   notes: str = ""
+  module: str = dataclasses.field(init=False)
+
+  def __post_init__(self):
+    object.__setattr__(self, "module", self.read_config.__module__)
 
 
-FAMILIES: dict[str, Family] = {}
-_MODULES = ("llama", "gemma", "phi3", "olmo2", "deepseek", "gpt_oss", "mixtral",
-            "qwen_moe")  # the family modules (each registers its own)
+_REGISTERED: dict[str, Family] = {}
 
 
 def register(family: Family) -> Family:
-  FAMILIES[family.name] = family
+  """Adds a family (its module calls this when imported); a second family of the same name or
+  architecture is a bug in the module that declares it."""
+  taken = {a: f.name for f in _REGISTERED.values() if f.name != family.name
+           for a in f.architectures}
+  clash = [a for a in family.architectures if a in taken]
+  if clash:
+    raise ValueError(f"family {family.name}: architecture {clash[0]} is {taken[clash[0]]}'s")
+  _REGISTERED[family.name] = family
   return family
 
 
-@functools.cache
-def _load_all():
-  for m in _MODULES:
-    importlib.import_module(f"mtjax.models.{m}")
-
-
 def families() -> dict[str, Family]:
-  """Every registered family by name."""
-  _load_all()
-  return FAMILIES
+  """Every family by name, sorted: each module of the mtjax.models package is imported first (a
+  family module registers its families on import; one imported already costs a lookup)."""
+  package = importlib.import_module(__package__)
+  for m in pkgutil.iter_modules(package.__path__):
+    importlib.import_module(f"{__package__}.{m.name}")
+  return dict(sorted(_REGISTERED.items()))
 
 
 def get(name: str) -> Family:
@@ -104,6 +157,14 @@ def read_hf_config(config: dict, where: str = "config.json") -> dict:
   if not isinstance(archs, list) or len(archs) != 1:
     raise FamilyError(f"{where}: architectures {archs} unsupported (expected one name)")
   family = for_architecture(archs[0], where)
+  quant = config.get("quantization_config")
+  if quant is not None:
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    decoded = [d.quant_method for d in family.decoders]
+    if method not in decoded:
+      raise FamilyError(f"{where}: quantization_config.quant_method={method!r} unsupported (mtjax "
+                        f"reads {family.name} in bf16, fp16 or fp32"
+                        + "".join(f", or {m} weights decoded on import" for m in decoded) + ")")
   return {"family": family.name, **family.read_config(config, where)}
 
 
