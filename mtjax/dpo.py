@@ -156,8 +156,8 @@ def load_pairs(path: str | Path, seq: int, vocab: int, split: str = "train") -> 
   if (path / "meta.json").is_file():  # prepared by mtjax.data (checked against its checksums)
     pairs, cut = from_prepared(data_lib.read_pairs(path, split, vocab), seq)
     if cut:
-      log.warning("dpo: %d of %d %s pairs are longer than train.seq + 1 = %d tokens and were cut",
-                  cut, len(pairs), split, seq + 1)
+      log.warning("dpo: %d of %d pairs%s are longer than train.seq + 1 = %d tokens and were cut",
+                  cut, len(pairs), "" if split == "train" else f" ({split})", seq + 1)
     return pairs
   if split != "train":
     raise ValueError(f"data.path: {path} holds .npy pairs, which have no {split} split; prepare "
@@ -374,6 +374,9 @@ class DirectPreference(objectives.Objective):
 
   def data(self, cfg):
     t = cfg.train
+    if (Path(cfg.data.path) / "meta.json").is_file():  # prepared: it records its tokenizer
+      data_lib.check_tokenizer(cfg.data.path, cfg.model.from_hf, cfg.model.vocab_size,
+                               cfg.data.allow_other_tokenizer)
     pairs, val = load_pairs(cfg.data.path, t.seq, cfg.model.vocab_size), None
     if t.eval_every:  # the held-out split is checked now, not at the first evaluation
       try:

@@ -119,6 +119,9 @@ class LanguageModel(Objective):
 
   def data(self, cfg):
     t = cfg.train
+    if cfg.data.source == "prepared":  # refuses data of another model's tokenizer
+      data.check_tokenizer(cfg.data.path, cfg.model.from_hf, cfg.model.vocab_size,
+                           cfg.data.allow_other_tokenizer)
     source = data.source(cfg.data, t.batch, t.seq, cfg.model.vocab_size, t.seed)
     if t.eval_every:  # the held-out split is checked now, not at the first evaluation
       try:

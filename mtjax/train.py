@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 
 from mtjax import cli, config as config_lib, exits, launch
-from mtjax import checkpoint, data, export, hf, models, objectives, plan as plan_lib, runlog
+from mtjax import checkpoint, export, hf, models, objectives, plan as plan_lib, runlog
 from mtjax import store as store_lib
 from mtjax.engine import Engine
 from mtjax.optimizer import HostUpdateError
@@ -291,10 +291,7 @@ def check_inputs(cfg: config_lib.Config) -> Inputs:
   objective = objectives.get(cfg.train)
   objective.check(cfg)
   check_length(cfg.model, cfg.train.seq)
-  if cfg.data.source == "prepared":
-    data.check_tokenizer(cfg.data.path, cfg.model.from_hf, cfg.model.vocab_size,
-                         cfg.data.allow_other_tokenizer)
-  checked = objective.data(cfg)
+  checked = objective.data(cfg)  # the tokenizer they were prepared with included
   if cfg.model.from_hf:
     hf.Checkpoint(cfg.model.from_hf).check(models.spec(cfg.model))
   check_schedule(cfg)

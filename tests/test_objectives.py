@@ -84,7 +84,7 @@ def test_dpo_evaluates_held_out_pairs(tmp_path):
                val_fraction=0.1)
   run = tmp_path / "run"
   cfg = config.load(TINY, ["train.objective=dpo", "train.steps=4", "train.batch=4",
-                           "train.seq=24", "model.vocab_size=320", "data.source=prepared",
+                           "train.seq=64", "model.vocab_size=320", "data.source=prepared",
                            f"data.path={out}", f"train.run_dir={run}", "train.tensorboard=false",
                            "train.eval_every=2", "train.eval_batches=2", "optim.lr=1e-2"])
   s = train.run(cfg, progress=False)

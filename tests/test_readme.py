@@ -23,7 +23,7 @@ from test_chat import make_tokenizer
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 # appended to every `mtjax.train` command: a few steps of short sequences in float32 on the CPU
-TOY = ["train.steps=2", "train.batch=2", "train.seq=32", "train.eval_batches=1",
+TOY = ["train.steps=2", "train.batch=2", "train.seq=96", "train.eval_batches=1",
        "engine.compute_dtype=float32", "engine.loss_chunk=64", "optim.lr=1e-3"]
 SKIPPED = ("python -m pip install", "python -m pytest")  # CI runs these two itself
 
