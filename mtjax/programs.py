@@ -58,17 +58,24 @@ def layer_fns(spec: models.ModelSpec, compute_dtype, micro_batch: int | None, lo
   models.block.Block). `strided` (default: several devices) splits micro-batches and loss chunks
   so that each spans every device. An objective builds its head step from head_step and
   head_logps (mtjax.objectives)."""
-  cd = compute_dtype
-  cfg = spec.cfg
-  lays = spec.layouts
   strided = devices > 1 if strided is None else strided
+  embed_fwd, embed_bwd = embedding_fns(spec, compute_dtype)
+  blocks = {kind: block_fns(spec, kind, compute_dtype, micro_batch, devices, attention, seq_tile,
+                            strided, moe_impl) for kind in spec.kinds}
+  head_step, head_logps = head_fns(spec, compute_dtype, loss_chunk, strided)
+  return LayerFns(embed_fwd, embed_bwd, {k: f for k, (f, _) in blocks.items()},
+                  {k: b for k, (_, b) in blocks.items()}, head_step, head_logps)
+
+
+def embedding_fns(spec: models.ModelSpec, cd):
+  """(embed_fwd, embed_bwd) of the token embedding (signatures: LayerFns)."""
+  cfg, lay = spec.cfg, spec.layouts["embed"]
   embed = spec.embed(cd)
-  head = spec.head()
-  if lays["embed"].paths != (("table",),):
+  if lay.paths != (("table",),):
     raise AssertionError("embedding layout must be the table alone")
 
   def embed_fwd(w, tokens_BxT):
-    return embed.apply({"params": lays["embed"].unflatten(w)}, tokens_BxT)
+    return embed.apply({"params": lay.unflatten(w)}, tokens_BxT)
 
   def embed_bwd(tokens_BxT, dx_BxTxD):
     # Scatter-add in fp32: a frequent token sums many rows, which bf16 would round away.
@@ -79,49 +86,60 @@ def layer_fns(spec: models.ModelSpec, compute_dtype, micro_batch: int | None, lo
     g_VxD = g_VxD.at[tokens_BxT.reshape(-1)].add(dx)
     return g_VxD.reshape(-1)
 
+  return embed_fwd, embed_bwd
+
+
+def block_fns(spec: models.ModelSpec, kind: str, cd, micro_batch: int | None, devices: int,
+              attention: str | None, seq_tile: int | None, strided: bool, moe_impl: str):
+  """(block_fwd, block_bwd) of one block kind, micro-batched (signatures: LayerFns); the backward
+  re-runs the forward under jax.vjp, one micro-batch at a time."""
+  block = spec.block(kind, attention, seq_tile, moe_impl)
+  lay = spec.layouts[kind]
+
   def n_micro(x):
     return 1 if micro_batch is None else x.shape[0] // (micro_batch * devices)
 
-  def block_fns(kind):
-    block = spec.block(kind, attention, seq_tile, moe_impl)
-    lay = lays[kind]
+  def apply_block(wc, x, ctx):
+    return block.apply({"params": lay.unflatten(wc)}, x, ctx)
 
-    def apply_block(wc, x, ctx):
-      return block.apply({"params": lay.unflatten(wc)}, x, ctx)
+  def block_fwd(w, x_BxTxD, ctx):
+    wc = w.astype(cd)
+    n = n_micro(x_BxTxD)
+    if n == 1:
+      return apply_block(wc, x_BxTxD, ctx)
+    split = lambda a: _micro(a, n, strided)
+    y, aux = jax.lax.map(lambda xs: apply_block(wc, *xs),
+                         (split(x_BxTxD), jax.tree.map(split, ctx)))
+    return _unmicro(y, strided), jax.tree.map(lambda a: a.sum(0), aux)
 
-    def block_fwd(w, x_BxTxD, ctx):
-      wc = w.astype(cd)
-      n = n_micro(x_BxTxD)
-      if n == 1:
-        return apply_block(wc, x_BxTxD, ctx)
-      split = lambda a: _micro(a, n, strided)
-      y, aux = jax.lax.map(lambda xs: apply_block(wc, *xs),
-                           (split(x_BxTxD), jax.tree.map(split, ctx)))
-      return _unmicro(y, strided), jax.tree.map(lambda a: a.sum(0), aux)
+  def block_bwd(w, x_BxTxD, ctx, dy_BxTxD, daux):
+    wc = w.astype(cd)
+    n = n_micro(x_BxTxD)
 
-    def block_bwd(w, x_BxTxD, ctx, dy_BxTxD, daux):
-      wc = w.astype(cd)
-      n = n_micro(x_BxTxD)
+    def one(acc, xs):
+      xm, cm, dym = xs
+      # re-materialises the forward; the auxiliary sums add over micro-batches, so each one's
+      # cotangent is the total's
+      _, pullback = jax.vjp(lambda wc, xm: apply_block(wc, xm, cm), wc, xm)
+      g, dxm = pullback((dym, daux))
+      return acc + g.astype(jnp.float32), dxm
 
-      def one(acc, xs):
-        xm, cm, dym = xs
-        # re-materialises the forward; the auxiliary sums add over micro-batches, so each one's
-        # cotangent is the total's
-        _, pullback = jax.vjp(lambda wc, xm: apply_block(wc, xm, cm), wc, xm)
-        g, dxm = pullback((dym, daux))
-        return acc + g.astype(jnp.float32), dxm
+    split = lambda a: _micro(a, n, strided)
+    g, dx = jax.lax.scan(one, jnp.zeros(w.shape, jnp.float32),
+                         (split(x_BxTxD), jax.tree.map(split, ctx), split(dy_BxTxD)))
+    return _unmicro(dx, strided), g, jnp.sum(g * g)
 
-      split = lambda a: _micro(a, n, strided)
-      g, dx = jax.lax.scan(one, jnp.zeros(w.shape, jnp.float32),
-                           (split(x_BxTxD), jax.tree.map(split, ctx), split(dy_BxTxD)))
-      return _unmicro(dx, strided), g, jnp.sum(g * g)
+  return block_fwd, block_bwd
 
-    return block_fwd, block_bwd
 
-  fns = {kind: block_fns(kind) for kind in spec.kinds}
+def head_fns(spec: models.ModelSpec, cd, loss_chunk: int, strided: bool):
+  """(head_step, head_logps) of the LM head over chunks of about `loss_chunk` tokens, so full
+  logits never exist (signatures: LayerFns)."""
+  cfg, lay = spec.cfg, spec.layouts["head"]
+  head = spec.head()
 
   def chunking(x_BxTxD):
-    """(chunks, pad, split) of the flattened batch: chunks of about `loss_chunk` tokens.
+    """(chunks, split) of the flattened batch: chunks of about `loss_chunk` tokens.
 
     With several devices chunk k takes tokens k, k + n, k + 2n, ... of the flattened batch (n
     chunks), so with the batch split over them every chunk has its tokens on every device."""
@@ -133,7 +151,7 @@ def layer_fns(spec: models.ModelSpec, compute_dtype, micro_batch: int | None, lo
 
   def chunk_nll(wh, wt, x_CxD, t_C):
     table = None if wt is None else wt.astype(cd).reshape(cfg.vocab_size, x_CxD.shape[-1])
-    logits_CxV = head.apply({"params": lays["head"].unflatten(wh.astype(cd))}, x_CxD, table)
+    logits_CxV = head.apply({"params": lay.unflatten(wh.astype(cd))}, x_CxD, table)
     return token_nll(logits_CxV, t_C)
 
   def head_logps(w_head, w_table, x_BxTxD, targets_BxT, mask_BxT):
@@ -170,8 +188,7 @@ def layer_fns(spec: models.ModelSpec, compute_dtype, micro_batch: int | None, lo
     dx = _unmicro(dx, strided)[:N].reshape(B, T, D)
     return jnp.sum(losses), dx, gh, gt
 
-  return LayerFns(embed_fwd, embed_bwd, {k: f for k, (f, _) in fns.items()},
-                  {k: b for k, (_, b) in fns.items()}, head_step, head_logps)
+  return head_step, head_logps
 
 
 def attention_impl(choice: str, device: jax.Device, compute_dtype: str, cfg: ModelConfig,
