@@ -9,7 +9,8 @@ import pytest
 
 from mtjax import config, train
 
-TINY = Path(__file__).parent.parent / "configs" / "tiny.yaml"
+ROOT = Path(__file__).parent.parent
+TINY = ROOT / "configs" / "tiny.yaml"
 
 
 def test_cli_trains_tiny_config(tmp_path):
@@ -81,8 +82,8 @@ def test_profile_step_records_a_trace_into_the_run_folder(tmp_path):
   assert traces and any(p.name.endswith((".xplane.pb", ".trace.json.gz")) for p in traces), traces
 
 
-def cli(*args, timeout=300):
-  r = subprocess.run([sys.executable, "-m", "mtjax.train", "--config", str(TINY), *map(str, args)],
+def cli(*args, timeout=300, config=TINY):
+  r = subprocess.run([sys.executable, "-m", "mtjax.train", "--config", str(config), *map(str, args)],
                      capture_output=True, text=True, timeout=timeout)
   return r.returncode, r.stdout, r.stderr.strip().splitlines()
 
@@ -148,3 +149,47 @@ def test_summary_and_json_say_where_the_export_went(tmp_path):
   assert code == 0, err
   assert json.loads(js.read_text())["export"] == str(out)
   assert f"export {out}" in stdout
+
+
+def test_data_of_another_tokenizer_is_refused_by_train_unless_accepted(tmp_path):
+  """The README's fine-tune with a model of one tokenizer and data prepared with another: one line
+  naming both, exit 2; data.allow_other_tokenizer=true accepts it. Without model.from_hf, data
+  whose ids do not fit the vocabulary names the key to set."""
+  from test_readme import tiny_model
+  from mtjax import data
+  model, other = tmp_path / "model", tmp_path / "other"
+  tiny_model(model)
+  from test_chat import make_tokenizer
+  make_tokenizer(other, vocab=300)
+  corpus = tmp_path / "docs.jsonl"
+  corpus.write_text("".join(json.dumps({"text": f"hello world {i}"}) + "\n" for i in range(40)))
+  prep = tmp_path / "prep"
+  data.prepare(other, prep, [str(corpus)], val_fraction=0, progress=False)
+  small = ["train.steps=1", "train.batch=2", "train.seq=16", "data.source=prepared",
+           f"data.path={prep}"]
+  finetune = ROOT / "configs" / "finetune.yaml"
+  from test_readme import TOY
+  code, _, err = cli(f"model.from_hf={model}", *small, *TOY[3:], "train.eval_every=0",
+                     config=finetune)
+  assert code == 2 and len(err) == 1, err
+  assert str(model) in err[0] and str(other / "tokenizer.json") in err[0], err
+  assert "data.allow_other_tokenizer=true" in err[0]
+  code, _, err = cli(f"model.from_hf={model}", "data.allow_other_tokenizer=true", *small,
+                     *TOY[3:], "train.eval_every=0", config=finetune)
+  assert code == 0, err
+  code, _, err = cli("model.vocab_size=64", *small)  # forgot model.from_hf
+  assert code == 2 and len(err) == 1 and "model.from_hf" in err[0], err
+
+
+def test_a_run_refused_by_the_plan_leaves_no_folder_and_loses_no_checkpoint(tmp_path, capsys):
+  from mtjax import checkpoint, exits
+  ck = tmp_path / "ck"
+  refused = ["--config", str(TINY), "--no-progress", "model.layers=2000000"]
+  assert train.main([*refused, f"train.checkpoint_dir={ck}"]) == exits.BAD_INPUT
+  assert capsys.readouterr().err.startswith("refused: does not fit")
+  assert not ck.exists()
+  assert train.main(["--config", str(TINY), "--quiet", "train.steps=1",
+                     f"train.checkpoint_dir={ck}"]) == exits.OK
+  assert train.main([*refused, f"train.checkpoint_dir={ck}", "train.resume=false",
+                     "train.overwrite=true"]) == exits.BAD_INPUT
+  assert checkpoint.latest(ck) == ck / "step_1"  # the refused run deleted nothing
