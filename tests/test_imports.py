@@ -14,7 +14,7 @@ ROOT = Path(__file__).parent.parent / "mtjax"
 # Lowest first. A module may import modules of its own layer or below, never above.
 LAYERS = [
     ["mtjax.config", "mtjax.config_reference", "mtjax.exits"],
-    ["mtjax.layout", "mtjax.attention", "mtjax.data"],
+    ["mtjax.layout", "mtjax.attention", "mtjax.data", "mtjax.quantize"],
     ["mtjax.models.registry", "mtjax.models.layers", "mtjax.models.grouped"],
     ["mtjax.models.moe", "mtjax.models.mla", "mtjax.models.common"],
     ["mtjax.models.block", "mtjax.models.llama", "mtjax.models.gemma", "mtjax.models.phi3",
