@@ -12,9 +12,9 @@
   both moments as bfloat16 (4 B/param instead of 8; the update's arithmetic stays fp32, the
   moments are rounded to nearest even when stored): what lets a 20B model's state fit one box.
   `optim.state_dtype: int8` stores them as block-wise 8-bit codes with an fp32 scale per 256
-  values (mtjax.quantize; 2.03 B/param for both, 6.03 with the master weights): each block is
-  decoded, updated in fp32 and re-encoded in one pass. Its host loop and device twin compute the
-  same bytes (no fastmath on the host, no fused multiply-adds on the device).
+  values (2.03 B/param for both, 6.03 with the master weights): each block is decoded, updated in
+  fp32 and re-encoded in one pass, by the loop and its device twin in mtjax.quantize, which
+  compute the same bytes.
 - Any optax `GradientTransformation`: optax's common optimizers by name from the config (adamw,
   adam, lion, sgd with momentum, adafactor) or a user's own chain from Python. Its state pytree per
   group is what `tx.init` makes of the group's parameter tree; host updates run it jitted on XLA:CPU,
@@ -133,113 +133,6 @@ def _adamw_inplace_bf16(w, m, v, g, lr, b1, b2, eps, wd, bc1, bc2, scale):  # pr
       v[lo + j] = _to_bf16_bits(bits[hi - lo + j])
 
 
-_BLOCKS_PER_ITEM = 16  # quantization blocks per work item of the int8-moment kernel
-_NONFINITE = np.uint32(0x7F800000)  # |x|'s bits from here up: inf or NaN
-_ABS = np.uint32(0x7FFFFFFF)
-
-
-@numba.njit(parallel=True, nogil=True, cache=True, error_model="numpy")
-def _adamw_inplace_int8(w, g, m, m_scale, v, v_scale, lr, b1, b2, eps, wd, bc1, bc2, scale,
-                        n_decay):  # pragma: no cover (compiled)
-  """The fused AdamW with both moments as block-wise 8-bit codes (mtjax.quantize): per block,
-  decode m and v, update them and w in fp32, and store the new moments encoded with the block's
-  new largest magnitude as its scale (this step's update uses them unrounded). Every operation is
-  rounded as written (no fastmath; numpy's error model, so that a division needs no zero check and
-  the loops vectorise), which `adamw_int8_on_device` reproduces. A block whose new w, m or v is not
-  finite is left as it was; returns the number of such blocks."""
-  one, zero = np.float32(1.0), np.float32(0.0)
-  rc1, rc2 = one / bc1, one / bc2  # XLA turns a division by a scalar into this multiplication
-  c1, c2 = one - b1, one - b2
-  B = quantize.BLOCK
-  n, nb = w.size, m_scale.size
-  items = (nb + _BLOCKS_PER_ITEM - 1) // _BLOCKS_PER_ITEM
-  refused = np.zeros(items, np.int64)
-  for it in numba.prange(items):
-    tmp = np.empty(3 * B, np.float32)
-    new_m, new_v, new_w = tmp[:B], tmp[B:2 * B], tmp[2 * B:]
-    bits_m, bits_v, bits_w = new_m.view(np.uint32), new_v.view(np.uint32), new_w.view(np.uint32)
-    top = np.empty(2, np.uint32)
-    for b in range(it * _BLOCKS_PER_ITEM, min(nb, (it + 1) * _BLOCKS_PER_ITEM)):
-      lo = b * B
-      hi = min(n, lo + B)
-      size = hi - lo
-      # Views of the block, indexed from 0: an index known non-negative needs no wraparound
-      # check, which is what lets these loops vectorise.
-      wb, gb, mb, vb = w[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi]
-      sm, sv = m_scale[b], v_scale[b]
-      for j in range(size):
-        gi = gb[j] * scale
-        new_m[j] = b1 * (quantize.m_level(np.int32(mb[j])) * sm) + c1 * gi
-        new_v[j] = b2 * (quantize.v_level(np.int32(vb[j])) * sv) + c2 * gi * gi
-      if hi <= n_decay or lo >= n_decay:  # weight decay on [0, n_decay)
-        wdb = wd if lo < n_decay else zero
-        for j in range(size):
-          u = (new_m[j] * rc1) / (np.sqrt(new_v[j] * rc2) + eps) + wdb * wb[j]
-          new_w[j] = wb[j] - lr * u
-      else:
-        for j in range(size):
-          wdj = wd if lo + j < n_decay else zero
-          u = (new_m[j] * rc1) / (np.sqrt(new_v[j] * rc2) + eps) + wdj * wb[j]
-          new_w[j] = wb[j] - lr * u
-      # The largest magnitude as the largest bit pattern of |x|: an integer max, which vectorises
-      # without fastmath and finds an inf or NaN too.
-      am = av = aw = np.uint32(0)
-      for j in range(size):
-        am = max(am, bits_m[j] & _ABS)
-        av = max(av, bits_v[j] & _ABS)
-        aw = max(aw, bits_w[j] & _ABS)
-      if max(am, av, aw) >= _NONFINITE:
-        refused[it] += 1
-        continue
-      top[0], top[1] = am, av
-      sm, sv = top.view(np.float32)[0], top.view(np.float32)[1]
-      m_scale[b], v_scale[b] = sm, sv
-      for j in range(size):
-        wb[j] = new_w[j]
-      if sm == zero:
-        sm = one  # an all-zero block: any scale gives code 0
-      if sv == zero:
-        sv = one
-      for j in range(size):
-        mb[j] = quantize.m_code(new_m[j] / sm)
-      for j in range(size):
-        vb[j] = quantize.v_code(new_v[j] / sv)
-  return refused.sum()
-
-
-def _rounded(x, keep):
-  """x, with its bits and-ed with `keep` (all ones, a traced scalar XLA cannot see through): the
-  product x stays a rounded float32 instead of being fused into a multiply-add, as the host
-  kernel computes it."""
-  return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x, jnp.uint32) & keep,
-                                      jnp.float32)
-
-
-def adamw_int8_on_device(w, opt: dict, g, hyper: dict, n_decay: int):
-  """`_adamw_inplace_int8` as a jax function, for groups updated on the device: the same float32
-  operations in the same order, every product rounded before it is added, the same encoding.
-  Returns (w, opt)."""
-  n = w.shape[0]
-  keep = hyper["keep"]
-  r = lambda x: _rounded(x, keep)
-  m = quantize.decode_jax(opt["m"], opt["m_scale"])
-  v = quantize.decode_jax(opt["v"], opt["v_scale"])
-  m = r(hyper["b1"] * m) + r((1 - hyper["b1"]) * g)
-  v = r(hyper["b2"] * v) + r((1 - hyper["b2"]) * g * g)
-  wd = jnp.where(jnp.arange(n) < n_decay, hyper["wd"], jnp.float32(0))
-  u = (m * (1 / hyper["bc1"])) / (jnp.sqrt(v * (1 / hyper["bc2"])) + hyper["eps"]) + r(wd * w)
-  new_w = w - r(hyper["lr"] * u)
-  am, av = quantize.block_absmax(m), quantize.block_absmax(v)
-  finite = jnp.isfinite(m) & jnp.isfinite(v) & jnp.isfinite(new_w)
-  ok_B = quantize.per_block(finite, True).all(axis=1)  # as the host: a non-finite block stays
-  ok = quantize.per_value(ok_B, n)
-  new = {"m": jnp.where(ok, quantize.encode_jax(m, am, True), opt["m"]),
-         "m_scale": jnp.where(ok_B, am, opt["m_scale"]),
-         "v": jnp.where(ok, quantize.encode_jax(v, av, False), opt["v"]),
-         "v_scale": jnp.where(ok_B, av, opt["v_scale"])}
-  return jnp.where(ok, new_w, w), new
-
-
 def adamw_on_device(w, m, v, g, hyper: dict, n_decay: int):
   """The fused kernel's update as a jax function, for groups updated on the device: the same fp32
   arithmetic, decay on elements [0, n_decay); moments stored as bfloat16 are widened for it and
@@ -316,7 +209,7 @@ class UpdateRule:
                  wd=np.float32(c.weight_decay), bc1=np.float32(1 - c.b1 ** t),
                  bc2=np.float32(1 - c.b2 ** t))
         if c.state_dtype == "int8":
-          h["keep"] = np.uint32(0xFFFFFFFF)  # see _rounded
+          h["keep"] = np.uint32(0xFFFFFFFF)  # see quantize.adamw_on_device
         self._scalars = {s: v for s, v in self._scalars.items() if s == step - 1} | {step: h}
       return h
 
@@ -334,7 +227,7 @@ class UpdateRule:
   def device_update(self, w, opt, g, scalars: dict, layout: Layout):
     """(w, opt) after one update with gradient g (already scaled); traced inside a jit."""
     if self.fused and self.cfg.state_dtype == "int8":
-      return adamw_int8_on_device(w, opt, g, scalars, layout.n_decay)
+      return quantize.adamw_on_device(w, opt, g, scalars, layout.n_decay)
     if self.fused:
       w, m, v = adamw_on_device(w, opt["m"], opt["v"], g, scalars, layout.n_decay)
       return w, {"m": m, "v": v}
@@ -346,9 +239,9 @@ class UpdateRule:
     w in place (optax on XLA:CPU)."""
     if self.fused and self.cfg.state_dtype == "int8":
       h = self.scalars(step)
-      refused = _adamw_inplace_int8(w, g, opt["m"], opt["m_scale"], opt["v"],
-                                    opt["v_scale"], h["lr"], h["b1"], h["b2"], h["eps"], h["wd"],
-                                    h["bc1"], h["bc2"], np.float32(scale), layout.n_decay)
+      refused = quantize.adamw_inplace(w, g, opt["m"], opt["m_scale"], opt["v"], opt["v_scale"],
+                                       h["lr"], h["b1"], h["b2"], h["eps"], h["wd"], h["bc1"],
+                                       h["bc2"], np.float32(scale), layout.n_decay)
       if refused:
         raise FloatingPointError(f"{refused} of {quantize.n_blocks(layout.size)} blocks of "
                                  f"{quantize.BLOCK} parameters went non-finite; they were left "

@@ -1,4 +1,4 @@
-"""Block-wise 8-bit codes for AdamW's moments (`optim.state_dtype: int8`), on the host and the device.
+"""Block-wise 8-bit codes for AdamW's moments (`optim.state_dtype: int8`) and the fused AdamW on them.
 
 A flat fp32 vector is cut into blocks of BLOCK values from its start (the last one may be short);
 each block keeps one fp32 scale, its largest magnitude, and one byte per value: the code of the
@@ -10,7 +10,8 @@ large):
   m (signed, int8 j in [-127, 127]):   sign(j) * (|j| / 127) ** 4 (-128 is never written)
   v (unsigned, uint8 k in [0, 255]):   ((k + 1) / 256) ** 4: all 256 codes, and no zero
 
-each level computed in float32 as written (the root, then its square squared). v has no zero level
+each level computed in float32: the root (|j| times float32(1 / 127), or (k + 1) / 256), then its
+square squared. v has no zero level
 because a second moment rounded to zero turns m / (sqrt(v) + eps) into m / eps; rounding up instead
 (to 2.3e-10 of the block's scale) only shortens that step. An all-zero block has scale 0 and
 decodes to zeros.
@@ -29,7 +30,11 @@ for the whole map.
 BLOCK: 256 values per scale cost 4 / 256 bytes each (2.03 bytes per parameter for both moments) and
 keep an outlier's reach to 256 neighbours; 2048 (the block of the original 8-bit optimizers) would
 save 0.03 bytes per parameter at a larger error of the update (benchmarks/int8_adamw.py measures
-both).
+both). Nearest rounding, not stochastic: on the same benchmark stochastic rounding adds error and
+removes no bias worth having, at beta2 0.95 and 0.999 alike.
+
+`adamw_inplace` (numba, in place, one pass per block) and `adamw_on_device` (jax) are the update
+mtjax.optimizer.UpdateRule runs for these moments; they give the same bytes.
 """
 
 from __future__ import annotations
@@ -209,3 +214,114 @@ def quantize_jax(x, signed: bool):
   """`quantize` as a jax function (no refusal: a non-finite value gives a non-finite scale)."""
   scale_B = block_absmax(x)
   return encode_jax(x, scale_B, signed), scale_B
+
+
+# ---- the fused AdamW on these codes (mtjax.optimizer's rule for optim.state_dtype int8) -------------
+# Here, beside the maps it inlines: numba's cache checks only the file a function is defined in, so
+# a change to the maps or BLOCK anywhere else would leave a stale compiled loop.
+
+_BLOCKS_PER_ITEM = 16  # blocks per work item of the parallel loop
+_NONFINITE = np.uint32(0x7F800000)  # |x|'s bits from here up: inf or NaN
+_ABS = np.uint32(0x7FFFFFFF)
+
+
+@numba.njit(parallel=True, nogil=True, cache=True, error_model="numpy")
+def adamw_inplace(w, g, m, m_scale, v, v_scale, lr, b1, b2, eps, wd, bc1, bc2, scale,
+                  n_decay):  # pragma: no cover (compiled)
+  """One AdamW update of w (weight decay on [0, n_decay)) with gradient g * scale, in place, with
+  both moments as codes and scales: per block, decode m and v, update them and w in fp32, and
+  store the new moments encoded with the block's new largest magnitude as its scale (this step's
+  update uses them unrounded). Every operation is rounded as written (no fastmath; numpy's error
+  model, so that a division needs no zero check and the loops vectorise), which `adamw_on_device`
+  reproduces. A block whose new w, m or v is not finite is left as it was; returns the number of
+  such blocks."""
+  one, zero = np.float32(1.0), np.float32(0.0)
+  rc1, rc2 = one / bc1, one / bc2  # XLA turns a division by a scalar into this multiplication
+  c1, c2 = one - b1, one - b2
+  B = BLOCK
+  n, nb = w.size, m_scale.size
+  items = (nb + _BLOCKS_PER_ITEM - 1) // _BLOCKS_PER_ITEM
+  refused = np.zeros(items, np.int64)
+  for it in numba.prange(items):
+    tmp = np.empty(3 * B, np.float32)
+    new_m, new_v, new_w = tmp[:B], tmp[B:2 * B], tmp[2 * B:]
+    bits_m, bits_v, bits_w = new_m.view(np.uint32), new_v.view(np.uint32), new_w.view(np.uint32)
+    top = np.empty(2, np.uint32)
+    for b in range(it * _BLOCKS_PER_ITEM, min(nb, (it + 1) * _BLOCKS_PER_ITEM)):
+      lo = b * B
+      hi = min(n, lo + B)
+      size = hi - lo
+      # Views of the block, indexed from 0: an index known non-negative needs no wraparound
+      # check, which is what lets these loops vectorise.
+      wb, gb, mb, vb = w[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi]
+      sm, sv = m_scale[b], v_scale[b]
+      for j in range(size):
+        gi = gb[j] * scale
+        new_m[j] = b1 * (m_level(np.int32(mb[j])) * sm) + c1 * gi
+        new_v[j] = b2 * (v_level(np.int32(vb[j])) * sv) + c2 * gi * gi
+      if hi <= n_decay or lo >= n_decay:  # weight decay on [0, n_decay)
+        wdb = wd if lo < n_decay else zero
+        for j in range(size):
+          u = (new_m[j] * rc1) / (np.sqrt(new_v[j] * rc2) + eps) + wdb * wb[j]
+          new_w[j] = wb[j] - lr * u
+      else:
+        for j in range(size):
+          wdj = wd if lo + j < n_decay else zero
+          u = (new_m[j] * rc1) / (np.sqrt(new_v[j] * rc2) + eps) + wdj * wb[j]
+          new_w[j] = wb[j] - lr * u
+      # The largest magnitude as the largest bit pattern of |x|: an integer max, which vectorises
+      # without fastmath and finds an inf or NaN too.
+      am = av = aw = np.uint32(0)
+      for j in range(size):
+        am = max(am, bits_m[j] & _ABS)
+        av = max(av, bits_v[j] & _ABS)
+        aw = max(aw, bits_w[j] & _ABS)
+      if max(am, av, aw) >= _NONFINITE:
+        refused[it] += 1
+        continue
+      top[0], top[1] = am, av
+      sm, sv = top.view(np.float32)[0], top.view(np.float32)[1]
+      m_scale[b], v_scale[b] = sm, sv
+      for j in range(size):
+        wb[j] = new_w[j]
+      if sm == zero:
+        sm = one  # an all-zero block: any scale gives code 0
+      if sv == zero:
+        sv = one
+      for j in range(size):
+        mb[j] = m_code(new_m[j] / sm)
+      for j in range(size):
+        vb[j] = v_code(new_v[j] / sv)
+  return refused.sum()
+
+
+def _rounded(x, keep):
+  """x, its bits and-ed with `keep` (all ones, a traced scalar XLA cannot see through): a product
+  stays a rounded float32 instead of being fused into a multiply-add, as the host loop has it."""
+  return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x, jnp.uint32) & keep,
+                                      jnp.float32)
+
+
+def adamw_on_device(w, opt: dict, g, hyper: dict, n_decay: int):
+  """`adamw_inplace` as a jax function, for groups updated on the device: the same float32
+  operations in the same order, every product rounded before it is added, the same encoding; g is
+  already scaled, `hyper` is UpdateRule.scalars' (with `keep`). Returns (w, opt)."""
+  n = w.shape[0]
+  keep = hyper["keep"]
+  r = lambda x: _rounded(x, keep)
+  m = decode_jax(opt["m"], opt["m_scale"])
+  v = decode_jax(opt["v"], opt["v_scale"])
+  m = r(hyper["b1"] * m) + r((1 - hyper["b1"]) * g)
+  v = r(hyper["b2"] * v) + r((1 - hyper["b2"]) * g * g)
+  wd = jnp.where(jnp.arange(n) < n_decay, hyper["wd"], jnp.float32(0))
+  u = (m * (1 / hyper["bc1"])) / (jnp.sqrt(v * (1 / hyper["bc2"])) + hyper["eps"]) + r(wd * w)
+  new_w = w - r(hyper["lr"] * u)
+  am, av = block_absmax(m), block_absmax(v)
+  finite = jnp.isfinite(m) & jnp.isfinite(v) & jnp.isfinite(new_w)
+  ok_B = per_block(finite, True).all(axis=1)  # as the host: a non-finite block stays
+  ok = per_value(ok_B, n)
+  new = {"m": jnp.where(ok, encode_jax(m, am, True), opt["m"]),
+         "m_scale": jnp.where(ok_B, am, opt["m_scale"]),
+         "v": jnp.where(ok, encode_jax(v, av, False), opt["v"]),
+         "v_scale": jnp.where(ok_B, av, opt["v_scale"])}
+  return jnp.where(ok, new_w, w), new

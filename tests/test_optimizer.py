@@ -311,6 +311,10 @@ def cell_error(codes, scales):
   return cell[k] * np.repeat(scales.astype(np.float64), quantize.BLOCK)[:codes.size]
 
 
+def adam_direction(m, v, bc1, bc2, eps):
+  return (m / bc1) / (np.sqrt(np.maximum(v, 0) / bc2) + eps)
+
+
 def test_int8_adamw_stays_within_the_quantization_bound_of_optax():
   """20 steps of int8 AdamW against optax.adamw in fp32 on one group and a fixed stream of
   gradients (so both runs see the same moments' inputs), within a bound derived step by step from
@@ -345,9 +349,9 @@ def test_int8_adamw_stays_within_the_quantization_bound_of_optax():
     e_m, e_v = c.b1 * (e_m + cell_m), c.b2 * (e_v + cell_v)
     m, v = c.b1 * m + (1 - c.b1) * g, c.b2 * v + (1 - c.b2) * g * g
     bc1, bc2 = 1 - c.b1 ** (t + 1), 1 - c.b2 ** (t + 1)
-    u = lambda mm, vv: (mm / bc1) / (np.sqrt(np.maximum(vv, 0) / bc2) + c.eps)
-    du = np.max([np.abs(u(m + a * e_m, v + b * e_v) - u(m, v)) for a in (-1, 1) for b in (-1, 1)],
-                axis=0)
+    u = adam_direction(m, v, bc1, bc2, c.eps)
+    du = np.max([np.abs(adam_direction(m + a * e_m, v + b * e_v, bc1, bc2, c.eps) - u)
+                 for a in (-1, 1) for b in (-1, 1)], axis=0)
     lr = float(rule.scalars(t)["lr"])
     e_w = np.abs(1 - lr * decay) * e_w + lr * du
     # what this step stored, for the next (enlarged by a few ulps for the float32 division and
