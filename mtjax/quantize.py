@@ -11,10 +11,9 @@ large):
   v (unsigned, uint8 k in [0, 255]):   ((k + 1) / 256) ** 4: all 256 codes, and no zero
 
 each level computed in float32: the root (|j| times float32(1 / 127), or (k + 1) / 256), then its
-square squared. v has no zero level
-because a second moment rounded to zero turns m / (sqrt(v) + eps) into m / eps; rounding up instead
-(to 2.3e-10 of the block's scale) only shortens that step. An all-zero block has scale 0 and
-decodes to zeros.
+square squared. v has no zero level because a second moment rounded to zero turns
+m / (sqrt(v) + eps) into m / eps; rounding up instead (to 2.3e-10 of the block's scale) only
+shortens that step. An all-zero block has scale 0 and decodes to zeros.
 
 Encoding is the exact nearest level: the code whose lower edge (the float32 midpoint (a + b) / 2
 of its level and the one below) is below y = value / scale and whose upper edge is not; a tie goes
@@ -34,7 +33,8 @@ both). Nearest rounding, not stochastic: on the same benchmark stochastic roundi
 removes no bias worth having, at beta2 0.95 and 0.999 alike.
 
 `adamw_inplace` (numba, in place, one pass per block) and `adamw_on_device` (jax) are the update
-mtjax.optimizer.UpdateRule runs for these moments; they give the same bytes.
+mtjax.optimizer.UpdateRule runs for these moments; they give the same bytes (XLA's CPU backend
+flushes subnormal results to zero, numba does not: there the moments differ below 2^-126).
 """
 
 from __future__ import annotations
