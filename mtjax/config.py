@@ -279,7 +279,7 @@ class OptimConfig:
   clip_norm: float | None = None  # global-norm clip threshold; None disables clipping
   clip_mode: Literal["host_buffer", "recompute"] = "host_buffer"  # how exact global clipping gets every norm first
   threads: int | None = None  # host optimizer threads; None means all cores
-  state_dtype: Literal["float32", "bfloat16"] = "float32"  # AdamW moments' storage (fused adamw); bfloat16 halves them, the arithmetic stays fp32
+  state_dtype: Literal["float32", "bfloat16", "int8"] = "float32"  # AdamW moments' storage (fused adamw): bfloat16 halves them; int8: a byte each and an fp32 scale per 256 values (2.03 B/param for both); the arithmetic stays fp32
 
   def __post_init__(self):
     if self.lr < 0 or not 0 <= self.min_lr_ratio <= 1:
@@ -296,14 +296,15 @@ class OptimConfig:
       raise ConfigError(f"optim.threads: {self.threads} must be > 0 or null")
     if self.decay_steps is not None and self.decay_steps <= 0:
       raise ConfigError(f"optim.decay_steps: {self.decay_steps} must be > 0 or null (train.steps)")
-    if self.state_dtype == "bfloat16" and (self.name, self.impl) != ("adamw", "fused"):
-      raise ConfigError(f"optim.state_dtype: bfloat16 moments need optim.name adamw with "
-                        f"optim.impl fused, not {self.name} with {self.impl}")
+    if self.state_dtype != "float32" and (self.name, self.impl) != ("adamw", "fused"):
+      raise ConfigError(f"optim.state_dtype: {self.state_dtype} moments need optim.name adamw "
+                        f"with optim.impl fused, not {self.name} with {self.impl}")
 
   @property
-  def moment_bytes(self) -> int:
-    """Bytes per parameter of the fused AdamW's two moments (m and v)."""
-    return 4 if self.state_dtype == "bfloat16" else 8
+  def moment_bytes(self) -> float:
+    """Bytes per parameter of the fused AdamW's two moments (m and v); int8: a byte each and an
+    fp32 scale per mtjax.quantize.BLOCK (256) values each."""
+    return {"float32": 8, "bfloat16": 4, "int8": 2 + 8 / 256}[self.state_dtype]
 
 
 @dataclasses.dataclass(frozen=True)

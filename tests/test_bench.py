@@ -32,6 +32,7 @@ SMOKES = {"bench.py": "test_bench_smoke_runs_every_system_and_records_the_fields
           "finetune.py": "test_finetune_smoke_exports_what_transformers_reads_back",
           "recipes.py": "test_recipes_smoke_runs_sft_dpo_and_accumulation",
           "h200.sh": "test_h200_dry_run_names_existing_scripts_and_configs",
+          "int8_adamw.py": "test_int8_adamw_smoke_times_each_state_dtype_and_compares_the_maps",
           "deepspeed_wheels.sh": None,  # builds wheels from the network: nothing to smoke
           "attention_wheels.sh": None}  # downloads wheels from the network: nothing to smoke
 
@@ -135,6 +136,18 @@ def test_long_context_table_says_why_a_slice_has_no_whole_model_step():
   own, one = (long_context.format_rows([row], None, c).splitlines()[-1] for c in (None, 600.0))
   assert "refused by the planner: does not fit in device memory: needs 257.7 GiB |" in own
   assert "(this row)" not in own and "| 60% |" in own and "| 50% |" in one
+
+
+def test_int8_adamw_smoke_times_each_state_dtype_and_compares_the_maps(tmp_path):
+  import int8_adamw  # noqa: PLC0415
+  out = tmp_path / "int8_adamw.json"
+  assert int8_adamw.main(["--smoke", "--out", str(out)]) == 0
+  r = json.loads(out.read_text())
+  assert set(r["host"]) == {"float32", "bfloat16", "int8"} and set(r["device_update"]) == {
+      "float32", "int8"}
+  assert all(h["gparams_median"] > 0 for h in r["host"].values())
+  ours = [m for m in r["maps"] if m["map"] == "power (mtjax)" and m["block"] == 256]
+  assert ours and all(0 < m["rel_rms"] < 0.2 for m in ours), ours
 
 
 def test_moe_kernels_smoke_checks_each_implementation_against_float32(tmp_path):

@@ -17,7 +17,7 @@ FAMILY_MODULES = sorted({f.module for f in models.families().values()})
 # Lowest first. A module may import modules of its own layer or below, never above.
 LAYERS = [
     ["mtjax.config", "mtjax.exits"],
-    ["mtjax.layout", "mtjax.attention", "mtjax.data"],
+    ["mtjax.layout", "mtjax.attention", "mtjax.data", "mtjax.quantize"],
     ["mtjax.models.registry", "mtjax.models.layers", "mtjax.models.grouped"],
     ["mtjax.models.moe", "mtjax.models.mla", "mtjax.models.common"],
     ["mtjax.models.block", *FAMILY_MODULES],  # each family module, as the registry finds them
