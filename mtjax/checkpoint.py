@@ -246,6 +246,10 @@ def restore(store: LayerStore, path: str | Path) -> dict:
     if h != w:
       raise CheckpointMismatch(f"checkpoint {path}: group {h[0]} holds {h[1]} parameters in "
                                f"another layout than the model's {w[0]} ({w[1]} parameters)")
+  saved = meta.get("extra", {}).get("config", {}).get("optim", {}).get("state_dtype")
+  mine = store.rule.cfg.state_dtype
+  if saved is not None and saved != mine and "int8" in (saved, mine):
+    raise CheckpointMismatch(state_dtype_line(path, saved, mine))
   ckptr = ocp.StandardCheckpointer()
   for i, g in enumerate(store.groups):
     try:
@@ -266,6 +270,15 @@ def restore(store: LayerStore, path: str | Path) -> dict:
     store.write(i, w=w, opt=jax.tree.unflatten(treedef, got))
   store.step = int(meta["step"])
   return meta.get("extra", {})
+
+
+def state_dtype_line(path: Path, saved: str, mine: str) -> str:
+  """The refusal of a resume whose optimizer state is stored in another form: 8-bit codes and
+  float moments do not convert into each other without changing the run (float32 and bfloat16
+  moments do, on restore)."""
+  return (f"checkpoint {path} holds optim.state_dtype={saved} moments and this run has {mine}: "
+          f"resume with optim.state_dtype={saved}, or start afresh (train.resume=false or another "
+          f"train.checkpoint_dir)")
 
 
 def restore_latest(store: LayerStore, directory: str | Path) -> tuple[Path | None, dict, list[str]]:

@@ -256,12 +256,12 @@ def check_length(model: config_lib.ModelConfig, seq: int) -> None:
                      f"(its RoPE then extrapolates; the export records the new length)")
 
 
-def check_schedule(cfg: config_lib.Config) -> None:
-  """Refuses a resume whose learning-rate schedule would change mid-run: with optim.decay_steps
-  null the cosine spans train.steps, so a resume with other train.steps would re-stretch it from
-  the checkpoint's step on."""
+def check_resume(cfg: config_lib.Config) -> None:
+  """Refuses a resume that would change the run mid-way: its learning-rate schedule (with
+  optim.decay_steps null the cosine spans train.steps, so other train.steps would re-stretch it
+  from the checkpoint's step on), or its moments' storage between 8-bit codes and floats."""
   tc = cfg.train
-  if not (tc.checkpoint_dir and tc.resume) or cfg.optim.decay_steps is not None:
+  if not (tc.checkpoint_dir and tc.resume):
     return
   for path in checkpoint.steps(tc.checkpoint_dir):
     try:
@@ -269,7 +269,11 @@ def check_schedule(cfg: config_lib.Config) -> None:
       steps, decay = saved["train"]["steps"], saved["optim"]["decay_steps"]
     except (ValueError, OSError, KeyError, TypeError):
       continue  # damaged: restore_latest skips it and says why
-    if decay is None and steps != tc.steps:
+    state = saved["optim"].get("state_dtype")
+    if state not in (None, cfg.optim.state_dtype) and "int8" in (state, cfg.optim.state_dtype):
+      raise checkpoint.CheckpointMismatch(checkpoint.state_dtype_line(path, state,
+                                                                      cfg.optim.state_dtype))
+    if decay is None and cfg.optim.decay_steps is None and steps != tc.steps:
       raise ValueError(
           f"train.steps: {tc.steps} differs from the {steps} that {path} was trained toward, and "
           f"with optim.decay_steps null the cosine schedule spans train.steps: set "
@@ -294,7 +298,7 @@ def check_inputs(cfg: config_lib.Config) -> Inputs:
   checked = objective.data(cfg)  # the tokenizer they were prepared with included
   if cfg.model.from_hf:
     hf.Checkpoint(cfg.model.from_hf).check(models.spec(cfg.model))
-  check_schedule(cfg)
+  check_resume(cfg)
   return Inputs(objective, checked)
 
 

@@ -10,7 +10,7 @@ import optax
 import pytest
 from hypothesis import given, strategies as hst
 
-from mtjax import checkpoint, config, data, engine, plan, quantize, store as store_lib
+from mtjax import checkpoint, config, data, engine, launch, quantize, store as store_lib
 from mtjax.layout import Layout
 from mtjax.optimizer import HostOptimizer, UpdateRule, clip_scale, schedule
 from numerics import assert_close, assert_trees_close
@@ -401,8 +401,8 @@ PLACEMENTS = {"host": ["engine.device_state_layers=0", "engine.device_update_lay
 
 
 def tiny_store(state_dtype, placement, seed=0):
-  cfg, _ = plan.prepare(config.load(TINY, [f"optim.state_dtype={state_dtype}",
-                                           *PLACEMENTS[placement]]))
+  cfg, _ = launch.plan_run(config.load(TINY, [f"optim.state_dtype={state_dtype}",
+                                             *PLACEMENTS[placement]]))
   return cfg, store_lib.create(cfg, jax.random.key(seed))
 
 

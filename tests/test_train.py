@@ -193,3 +193,15 @@ def test_a_run_refused_by_the_plan_leaves_no_folder_and_loses_no_checkpoint(tmp_
   assert train.main([*refused, f"train.checkpoint_dir={ck}", "train.resume=false",
                      "train.overwrite=true"]) == exits.BAD_INPUT
   assert checkpoint.latest(ck) == ck / "step_1"  # the refused run deleted nothing
+
+
+def test_resume_with_moments_stored_otherwise_is_refused_and_keeps_the_checkpoint(tmp_path):
+  """8-bit codes and float moments do not convert into each other: a resume across them is one
+  line naming both, before anything is allocated, and the checkpoint stays good."""
+  from mtjax import checkpoint
+  ck = tmp_path / "ck"
+  train.run(config.load(TINY, ["train.steps=2", f"train.checkpoint_dir={ck}"]), progress=False)
+  code, _, err = cli("train.steps=2", f"train.checkpoint_dir={ck}", "optim.state_dtype=int8")
+  assert code == 2 and len(err) == 1, err
+  assert "optim.state_dtype=float32 moments and this run has int8" in err[0]
+  assert checkpoint.latest(ck) == ck / "step_2" and not list(ck.glob(".damaged-*"))
