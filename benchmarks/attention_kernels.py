@@ -62,9 +62,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from mtjax import attention, exits  # noqa: E402
+from mtjax import attention, exits
 
-from moe_kernels import median_time  # noqa: E402  (benchmarks/ is on the path beside it)
+from moe_kernels import median_time
 
 # name: (B, T, N, K, H, options); options: docs (documents per row), softcap, window, sinks (one
 # learned logit per query head), hv (the value width, where it differs from H)
@@ -221,7 +221,7 @@ def _xprof_placeholder():
 def tokamax_attention():
   """tokamax's attention implementations by name and its mask module (raises where absent)."""
   _xprof_placeholder()
-  from tokamax._src.ops.attention import api, base  # noqa: PLC0415
+  from tokamax._src.ops.attention import api, base
   return api.IMPLEMENTATIONS, base
 
 
@@ -244,7 +244,7 @@ def kernel(impl, c: Case):
   if impl == "cudnn":
     return cudnn_kernel(c, scale)
   if impl == "cudnn-packed":
-    from jax._src.cudnn import fused_attention_stablehlo as fa  # noqa: PLC0415
+    from jax._src.cudnn import fused_attention_stablehlo as fa
     M = int(c.seg.max())
     lens = np.full((c.B, M), -1, np.int32)
     offs = np.full((c.B, M + 1), -1, np.int32)
@@ -264,7 +264,7 @@ def kernel(impl, c: Case):
 
 
 def cudnn_kernel(c: Case, scale):
-  from jax._src.cudnn import fused_attention_stablehlo as fa  # noqa: PLC0415
+  from jax._src.cudnn import fused_attention_stablehlo as fa
   if c.sinks:  # jax's cuDNN call returns the lse; its backward rule takes the output to use
     statics = (scale, 42, 0.0, (False, False), fa.MaskType.CAUSAL,
                fa._normalize_layout("BTNH").value, c.window, fa.check_cudnn_version())
@@ -288,7 +288,7 @@ def cudnn_kernel(c: Case, scale):
 
 def pallas_kernel(c: Case, scale, segs):
   """jax's Triton flash attention: causal and segment ids; k and v repeated per query head."""
-  from jax.experimental.pallas.ops.gpu import attention as pa  # noqa: PLC0415
+  from jax.experimental.pallas.ops.gpu import attention as pa
   blocks = pa.BlockSizes.get_default()
 
   def heads(k, v):
@@ -318,7 +318,7 @@ def mgpu_kernel(c: Case, scale):
   It takes no scale (q is scaled before it) and its shared-memory buffers are float16, so q, k
   and v go in as float16 and the output comes back in q's dtype.
   """
-  from jax.experimental.pallas.ops.gpu import attention_mgpu as am  # noqa: PLC0415
+  from jax.experimental.pallas.ops.gpu import attention_mgpu as am
   cfg = am.TuningConfig(block_q=64, block_kv=64 if c.H >= 256 else 128, max_concurrent_steps=2,
                         causal=True, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64,
                         block_kv_dq=64)

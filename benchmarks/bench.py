@@ -36,14 +36,14 @@ from jax.sharding import SingleDeviceSharding
 if __package__ in (None, ""):  # run as a script: the repository root holds mtjax
   sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mtjax import config as config_lib  # noqa: E402
-from mtjax import cli, data, launch, models, plan as plan_lib, store as store_lib  # noqa: E402
-from mtjax.layout import Layout  # noqa: E402
-from mtjax.models.layers import token_nll  # noqa: E402
-from mtjax.engine import Engine  # noqa: E402
-from mtjax.programs import DTYPES, attention_impl  # noqa: E402
-from mtjax.optimizer import HostOptimizer, UpdateRule, schedule  # noqa: E402
-from mtjax.train import device_peak_bytes  # noqa: E402
+from mtjax import config as config_lib
+from mtjax import cli, data, launch, models, plan as plan_lib, store as store_lib
+from mtjax.layout import Layout
+from mtjax.models.layers import token_nll
+from mtjax.engine import Engine
+from mtjax.programs import DTYPES, attention_impl
+from mtjax.optimizer import HostOptimizer, UpdateRule, schedule
+from mtjax.train import device_peak_bytes
 
 GiB = 2**30
 
@@ -236,7 +236,6 @@ def device_compute_s(cfg, batch, reps=3) -> float:
   jax.block_until_ready(once())
   t = _median_time(once, reps)
   eng.close()
-  del eng, st
   return t
 
 

@@ -39,7 +39,7 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: the repository root holds mtjax
   sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mtjax import cli, config as config_lib, data, plan  # noqa: E402
+from mtjax import cli, config as config_lib, data, plan
 
 
 def ds_config(cfg: config_lib.Config) -> dict:

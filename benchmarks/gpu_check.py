@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from mtjax import config, data, engine, launch, store  # noqa: E402
-from mtjax.layout import Layout  # noqa: E402
+from mtjax import config, data, engine, launch, store
+from mtjax.layout import Layout
 
 BASE = {
     "model": dict(vocab_size=128, hidden=64, layers=3, heads=4, kv_heads=2, ffn=96, qkv_bias=True),
@@ -39,7 +39,7 @@ def with_engine(**engine_keys) -> config.Config:
 
 
 def rel(a, b) -> float:
-  import numpy as np  # noqa: PLC0415
+  import numpy as np
   return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / max(np.linalg.norm(b), 1e-30))
 
 
@@ -51,11 +51,11 @@ def flat(s, tree) -> list:
 
 def placements(tiers_list, steps: int = 3) -> float:
   """Worst relative error over the placement mixes (gradients and weights after `steps`)."""
-  import jax  # noqa: PLC0415
-  import optax  # noqa: PLC0415
+  import jax
+  import optax
 
-  import reference as ref  # noqa: PLC0415
-  from mtjax.optimizer import schedule  # noqa: PLC0415
+  import reference as ref
+  from mtjax.optimizer import schedule
   worst = 0.0
   for tiers in tiers_list:
     cfg = with_engine(device_state_layers=tiers[0], device_update_layers=tiers[1])
@@ -90,9 +90,9 @@ def placements(tiers_list, steps: int = 3) -> float:
 
 def attention_kernels(impls) -> None:
   """bf16 gradients per attention kernel against the fp32 reference (bf16 rounding, ~1e-2)."""
-  import jax  # noqa: PLC0415
+  import jax
 
-  import reference as ref  # noqa: PLC0415
+  import reference as ref
   base = with_engine(compute_dtype="bfloat16", matmul_precision="default")
   s = store.create(base, jax.random.key(0))
   b = data.synthetic_batch(0, 4, 32, 128, 0)
@@ -109,11 +109,11 @@ def attention_kernels(impls) -> None:
 
 
 def host_rates(n: int) -> None:
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
 
-  from mtjax.optimizer import HostOptimizer, UpdateRule  # noqa: PLC0415
+  from mtjax.optimizer import HostOptimizer, UpdateRule
   lay = Layout.from_shapes({"w": jax.ShapeDtypeStruct((n // 1024, 1024), jnp.float32)})
   rng = np.random.default_rng(0)
   g = rng.standard_normal(n, dtype=np.float32)
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
   p.add_argument("--smoke", action="store_true", help="a reduced check on the CPU, in seconds")
   args = p.parse_args(argv)
   launch.plan_run(with_engine())  # before the backend starts: the pinned pool, the device share
-  import jax  # noqa: PLC0415
+  import jax
   if args.smoke:
     jax.config.update("jax_platforms", "cpu")
   dev = jax.devices()[0]

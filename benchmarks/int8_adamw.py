@@ -37,9 +37,9 @@ import numba
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from mtjax import config, quantize  # noqa: E402
-from mtjax.layout import Layout  # noqa: E402
-from mtjax.optimizer import UpdateRule  # noqa: E402
+from mtjax import config, quantize
+from mtjax.layout import Layout
+from mtjax.optimizer import UpdateRule
 
 BYTES_MOVED = {"float32": 28, "bfloat16": 20, "int8": 16 + 16 / quantize.BLOCK}  # per parameter
 

@@ -33,7 +33,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: the repository root holds mtjax
   sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mtjax import cli, config as config_lib  # noqa: E402
+from mtjax import cli
 
 GiB = 2**30
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,9 +92,9 @@ def _ceiling(out: Path) -> float | None:
 
 
 def ceiling(args) -> int:
-  import jax  # noqa: PLC0415 - the backend starts here, in this mode only
+  import jax  # the backend starts here, in this mode only
   sys.path.insert(0, str(ROOT / "benchmarks"))
-  from bench import matmul_tflops  # noqa: PLC0415
+  from bench import matmul_tflops
   dev = jax.devices()[0]
   mm = matmul_tflops(dev, n=1024 if dev.platform == "cpu" else 8192)
   Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -178,9 +178,9 @@ def table(args) -> int:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-  import matplotlib  # noqa: PLC0415
+  import matplotlib
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # noqa: PLC0415
+  import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(7, 4))
   seqs = set()  # the context lengths plotted
   for name in sorted({r["name"] for r in rows}):

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from mtjax.models import moe  # noqa: E402
+from mtjax.models import moe
 
 SHAPES = {  # name: (tokens, experts, top-k, hidden D, expert width F)
     "qwen3-30b-a3b": (16384, 128, 8, 2048, 768),
@@ -58,16 +58,16 @@ TOKAMAX = {"tokamax-mosaic": "mosaic", "tokamax-triton": "triton"}
 def tokamax_ragged_dot(name):
   """tokamax's ragged_dot with one implementation, or raises where it is absent."""
   sys.path.insert(0, str(Path(__file__).resolve().parent))
-  from attention_kernels import _xprof_placeholder  # noqa: PLC0415 - tokamax imports xprof
+  from attention_kernels import _xprof_placeholder  # tokamax imports xprof
   _xprof_placeholder()
-  import tokamax  # noqa: PLC0415 - a wheel on the GPU machine only
+  import tokamax  # a wheel on the GPU machine only
   return lambda a, w, sizes: tokamax.ragged_dot(a, w, sizes, implementation=name)
 
 
 def expert_mlp(impl):
   def f(x_MxD, wg, wu, wd, sizes):
     if impl == "mosaic":
-      from mtjax.models import grouped  # noqa: PLC0415 - Mosaic-GPU: on a GPU only
+      from mtjax.models import grouped  # Mosaic-GPU: on a GPU only
       mm = lambda a, w: grouped.grouped_matmul(a, w, sizes)
     elif impl in TOKAMAX:
       rd = tokamax_ragged_dot(TOKAMAX[impl])

@@ -22,10 +22,10 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from finetune import ROOT, corpus, log, sh  # noqa: E402
+from finetune import ROOT, corpus, log, sh
 
 sys.path.insert(0, str(ROOT))
-from mtjax import runlog  # noqa: E402
+from mtjax import runlog
 
 CHATML = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}"
           "{%- if message['role'] == 'assistant' %}{% generation %}"

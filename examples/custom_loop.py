@@ -15,7 +15,7 @@ cfg = config.from_dict({
 # Before anything touches jax: plan the run (caps the pinned host pool, sets the device memory it
 # may use, places each layer group's state, refuses what cannot fit) and take the resolved config.
 cfg, p = launch.plan_run(cfg)
-import jax  # noqa: E402 - after plan_run, as the backend reads its settings when it starts
+import jax  # after plan_run, as the backend reads its settings when it starts
 
 host = store.create(cfg, jax.random.key(0))  # fp32 weights + AdamW moments, placed by the plan
 eng = engine.Engine(cfg, host)

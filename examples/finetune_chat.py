@@ -64,7 +64,7 @@ with open(base_text, "w") as f:
 
 # 1b. A byte-level BPE tokenizer with ChatML's special tokens; tokenizer_config.json carries the
 # chat template and the eos token, as a Hugging Face model directory does.
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 tok_dir = work / "tokenizer"
@@ -127,14 +127,14 @@ sh("-m", "mtjax.train", "--config", "configs/finetune.yaml", "--no-progress",
 
 # 5. Held-out loss of the base model and of the export, on the same held-out batches as training
 # uses, through the library (loading an export back checks it too).
-from mtjax import cli, config, data, engine, hf, launch, store  # noqa: E402
+from mtjax import cli, data, engine, hf, launch, store
 
 
 def held_out_loss(model_dir: Path) -> float:
   cfg = cli.load_config(ROOT / "configs/finetune.yaml",
                     [f"model.from_hf={model_dir}", f"data.path={data_dir}", *toy])
   cfg, _ = launch.plan_run(cfg)  # before the first jax call, as in examples/custom_loop.py
-  import jax  # noqa: PLC0415
+  import jax
   st = store.create(cfg, jax.random.key(0))
   hf.load_into(st, model_dir)
   eng = engine.Engine(cfg, st)

@@ -58,7 +58,7 @@ else:
   print(f"corpus: {len(files)} files from {stdlib}")
 
 # 2. A tokenizer of its own: byte-level BPE, so any text encodes; <|endoftext|> ends documents.
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 tok_dir = work / "tokenizer"
 tok_dir.mkdir()

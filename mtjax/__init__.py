@@ -15,6 +15,6 @@ _API = ("load_hf", "forward", "to_hf_names")
 
 def __getattr__(name):
   if name in _API:
-    from mtjax import api  # noqa: PLC0415 - imported on first use: `import mtjax` stays light
+    from mtjax import api  # imported on first use: `import mtjax` stays light
     return getattr(api, name)
   raise AttributeError(f"module 'mtjax' has no attribute {name!r}")

@@ -128,7 +128,7 @@ def save(store: LayerStore, directory: str | Path, extra: dict | None = None,
     tmp.mkdir()  # not parents: a checkpoint_dir that vanished is a failure, not a new folder
     _write(store, tmp, extra, source)
     os.replace(tmp, final)
-  except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many types for one cause
+  except Exception as e:
     shutil.rmtree(tmp, ignore_errors=True)
     failed = SaveFailed(f"cannot write {final.name} in {directory} ({reason(e)})")
     failed.errno = _errno(e)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mtjax import checkpoint, cli, config as config_lib, exits, hf, models
+from mtjax import checkpoint, config as config_lib, exits, hf, models
 
 
 def checkpoint_groups(path: Path, names: list[str], sums: dict | None = None):

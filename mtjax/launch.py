@@ -47,7 +47,7 @@ def plan_run(cfg: config_lib.Config, host_limit: int | None = None
   """
   host_limit = host_memory_limit() if host_limit is None else host_limit
   early = None if backend_started() else _before_backend(cfg, host_limit)
-  import jax  # noqa: PLC0415 - the environment is set: the backend may start now
+  import jax  # the environment is set: the backend may start now
 
   device = jax.local_devices()[0]
   accel = device.platform != "cpu"
@@ -181,7 +181,7 @@ def probe_device_count() -> int | None:
 
 
 def backend_started() -> bool:
-  from jax._src import xla_bridge  # noqa: PLC0415 - only to ask whether it has started
+  from jax._src import xla_bridge  # only to ask whether it has started
   return bool(getattr(xla_bridge, "_backends", None))
 
 
@@ -224,8 +224,8 @@ def device_memory_gbps(device, nbytes: int = 256 * 2**20, repeats: int = 5,
   (docs/performance.md shows what a single timed pass reads instead)."""
   if device in _HBM_GBPS:
     return _HBM_GBPS[device]
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
+  import jax
+  import jax.numpy as jnp
   x = jax.device_put(jnp.zeros(nbytes // 4, jnp.float32), device)
   touch = jax.jit(lambda a: a + 1.0, donate_argnums=0)  # in place: no allocation in the timing
   x = touch(x).block_until_ready()  # compiled and warm
@@ -255,7 +255,7 @@ def compiled_memory(cfg: config_lib.Config, device=None, devices: int = 1
   compiled code (`.lower().compile().memory_analysis()` of the programs the engine runs,
   mtjax.programs): arguments, outputs, temporaries, aliased (donated) bytes. With the batch split
   over `devices`, one device's share (its rows of one pass)."""
-  import jax  # noqa: PLC0415
+  import jax
   device = device or jax.local_devices()[0]
   e, m, t = cfg.engine, cfg.model, cfg.train
   # One device's share: the run's programs over the rows it holds, strided as the run splits them.

@@ -313,7 +313,7 @@ class HostOptimizer:
   def _guarded(self, group, grad, step, scale, view, ok):
     try:
       self.update(group, grad, step, scale, view, ok)
-    except Exception as e:  # noqa: BLE001 - re-raised on the main thread with where it happened
+    except Exception as e:
       raise HostUpdateError(f"host update of {group.name} at step {step + 1} failed: "
                             f"{type(e).__name__}: {e}") from e
 

@@ -12,6 +12,7 @@ matplotlib.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -126,7 +127,7 @@ def _plot_step_time(plt, records, path) -> Path:
   records = _without(records, first)
   fig, ax = plt.subplots(figsize=(max(8, min(20, len(records) * 0.15)), 4))
   steps = [r["step"] for r in records]
-  num = lambda r, f: r[f] if isinstance(r.get(f), (int, float)) else 0.0  # noqa: E731
+  num = lambda r, f: r[f] if isinstance(r.get(f), (int, float)) else 0.0
   bottom = [0.0] * len(records)
   parts = [(f, label) for f, label in SPLIT if _has(records, f)]
   for field, label in parts:
@@ -266,9 +267,7 @@ def main(argv: list[str] | None = None) -> int:
   if not (Path(args.run_dir) / METRICS).is_file():
     return exits.fail("error", f"{args.run_dir}: no {METRICS} (not a run folder?)",
                       exits.BAD_INPUT)
-  try:
-    import matplotlib  # noqa: F401
-  except ImportError:
+  if importlib.util.find_spec("matplotlib") is None:
     return exits.fail("error", "python -m mtjax.report needs matplotlib (pip install "
                                "'matplotlib>=3.8,<4')", exits.BAD_INPUT)
   try:

@@ -67,7 +67,7 @@ class TensorBoard:
   """TensorBoard event files of scalar summaries (tensorboardX), flushed after every step."""
 
   def __init__(self, directory: str | Path):
-    from tensorboardX import SummaryWriter  # noqa: PLC0415
+    from tensorboardX import SummaryWriter
 
     directory = Path(directory)
     for old in directory.glob(f"events.out.tfevents.*{_TB_SUFFIX}") if directory.is_dir() else ():
@@ -88,7 +88,7 @@ class WandB:
 
   def __init__(self, run_dir: Path, config: dict | None):
     try:
-      import wandb  # noqa: PLC0415
+      import wandb
     except ImportError:
       raise ValueError("train.trackers: wandb is selected but the wandb package is not installed "
                        "(pip install wandb, or leave wandb out of train.trackers)") from None
@@ -112,7 +112,8 @@ def _clean(name: str, value: Any) -> Any:
   try:
     value = float(value)  # numpy and 0-d jax arrays as well as Python floats
   except (TypeError, ValueError):
-    raise TypeError(f"metric {name}: {type(value).__name__} is not a number, bool, str or None")
+    raise TypeError(f"metric {name}: {type(value).__name__} is not a number, bool, str or None"
+                    ) from None
   return value if math.isfinite(value) else None  # JSON has no NaN or inf
 
 

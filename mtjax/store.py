@@ -498,7 +498,7 @@ def create(cfg: Config, key: jax.Array, tiers: Sequence[Tier] | None = None,
   rule = opt_lib.UpdateRule(cfg.optim, cfg.decay_steps, tx)
   store = LayerStore(cfg, [], mesh, rule)
   if store.multiprocess:  # every process must place every group alike, or a group has 0 or 2 owners
-    from jax.experimental import multihost_utils  # noqa: PLC0415
+    from jax.experimental import multihost_utils
     multihost_utils.assert_equal(np.array([TIERS.index(t) for t in tiers], np.int32),
                                  "the processes planned different placements; give every host "
                                  "the same engine.device_state_layers and device_update_layers")

@@ -195,7 +195,7 @@ def check_disk(cfg: config_lib.Config, plan) -> None:
                               f"({plan_lib.human_bytes(disk['one checkpoint'])} each)")
   if tc.export_dir and disk.get("export"):
     add(Path(tc.export_dir).absolute().parent, disk["export"], f"export {plan_lib.human_bytes(disk['export'])}")
-  for dev, n, what, folder in need.values():
+  for _, n, what, folder in need.values():
     free = shutil.disk_usage(folder).free
     if n > free:
       raise plan_lib.PlanError(
@@ -642,7 +642,7 @@ def format_summary(s: dict) -> str:
 
 def internal_error_log(cfg: config_lib.Config, e: BaseException) -> Path:
   """Appends the traceback of an unexpected error to the run folder's log file; returns its path."""
-  import traceback  # noqa: PLC0415
+  import traceback
   path = run_folder(cfg) / LOG_FILE
   try:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -708,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
       raise
     return exits.fail("error", e, exits.of_os_error(e) if isinstance(e, OSError)
                       else exits.BAD_INPUT)
-  except Exception as e:  # noqa: BLE001 - a bug: one line here, the traceback in the log file
+  except Exception as e:
     if args.debug:
       raise
     where = internal_error_log(cfg, e)

@@ -15,9 +15,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
-from hypothesis import settings  # noqa: E402
+import jax
+import pytest
+from hypothesis import settings
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 

@@ -13,11 +13,10 @@ import os
 
 import chex
 import jax
-import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as hst
 
-from mtjax import engine, store as store_lib
+from mtjax import store as store_lib
 from numerics import assert_close
 from test_engine import (assert_training_matches_optax, batch_for, make_cfg, new_engine,
                          streamed_and_reference)

@@ -9,7 +9,6 @@ clipped AdamW steps are held to the plain reference (jax.grad + optax) in each p
 the groups it owns. Prints "ok" and exits 0 when all agree.
 """
 
-import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -17,18 +16,17 @@ from pathlib import Path
 pid, port = int(sys.argv[1]), sys.argv[2]
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 os.environ["JAX_PLATFORMS"] = "cpu"
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=pid)
 sys.path.insert(0, str(Path(__file__).parent))
 
-import numpy as np  # noqa: E402
 
-import reference as ref  # noqa: E402
-from numerics import assert_close, assert_trees_close  # noqa: E402
-from mtjax import engine, store as store_lib  # noqa: E402
-from test_engine import batch_for, make_cfg, ref_loss_and_grads, reference_training  # noqa: E402
+import reference as ref
+from numerics import assert_close, assert_trees_close
+from mtjax import engine, store as store_lib
+from test_engine import batch_for, make_cfg, ref_loss_and_grads, reference_training
 
 cfg = make_cfg({"layers": 4}, dict(devices=2, device_state_layers=2, device_update_layers=1),
                optim=dict(clip_norm=0.05), train=dict(batch=4))

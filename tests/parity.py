@@ -283,7 +283,7 @@ def pieces_cover_every_parameter(cfg):
       target += 1
       t = tensors.setdefault(p.name, np.zeros(p.shape, np.int32))
       (t[p.src] if p.src else t)[...] += 1
-    for path, shape, off in zip(lay.paths, lay.shapes, lay.offsets):
+    for path in lay.paths:
       c = counts
       for k in path:
         c = c[k]

@@ -3,7 +3,6 @@ one pass over the whole batch and plain jax.grad + optax."""
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from numerics import assert_close

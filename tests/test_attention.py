@@ -440,7 +440,7 @@ def test_fused_path_takes_documents_as_a_mask_like_the_naive_attention(window):
   """The engine's cuDNN call (models.layers.fused_attention) in jax's XLA form, which takes the
   same mask and window arguments: packed documents and a window give the naive attention's
   output and gradients (the mask's layout and the window's off-by-one are the engine's)."""
-  from mtjax.models.layers import fused_attention  # noqa: PLC0415
+  from mtjax.models.layers import fused_attention
   q, k, v, ct = random_qkv(2, 24, 24, 4, 2, 8, jnp.float32, seed=3)
   seg = jnp.asarray(np.repeat([[1, 2, 3], [1, 1, 2]], [8, 8, 8], axis=1).astype(np.int32))
   fused = lambda q, k, v: fused_attention(q, k, v, seg, window=window, implementation="xla")
@@ -454,7 +454,7 @@ def test_fused_path_takes_documents_as_a_mask_like_the_naive_attention(window):
 
 
 def test_each_layer_takes_the_kernel_that_applies_to_it():
-  from mtjax.models.layers import (BLOCKWISE_FROM_SEQ, CUDNN_MASK_MAX_SEQ,  # noqa: PLC0415
+  from mtjax.models.layers import (BLOCKWISE_FROM_SEQ, CUDNN_MASK_MAX_SEQ,
                                    choose_attention, layer_kernel)
   hopper, ampere = 9.0, 8.0
   assert choose_attention("auto", "gpu", hopper, "bfloat16", (32, 128, 128)) == "cudnn"

@@ -14,9 +14,9 @@ import pytest
 ROOT = Path(__file__).parent.parent
 BENCH = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCH))
-import bench  # noqa: E402
+import bench
 
-from mtjax import exits  # noqa: E402
+from mtjax import exits
 
 TINY = ROOT / "configs" / "tiny.yaml"
 FIELDS = {"system", "params", "hidden", "layers", "batch", "seq", "step_s", "tokens_per_s",
@@ -76,7 +76,7 @@ def test_bench_refuses_unknown_system_and_bad_variant(capsys):
 
 
 def test_bench_packs_documents_as_prepared_data_does():
-  from mtjax import data  # noqa: PLC0415
+  from mtjax import data
   b = bench.packed(data.synthetic_batch(0, 4, 64, 100, 0), 5, 0)
   for seg, pos in zip(b.segments, b.positions):
     assert seg[0] == 1 and seg[-1] == 5 and (np.diff(seg) >= 0).all()  # ids 1..5 along the row
@@ -85,8 +85,8 @@ def test_bench_packs_documents_as_prepared_data_does():
     assert (np.diff(pos)[np.diff(seg) == 0] == 1).all()  # and count up inside it
   assert bench.packed(data.synthetic_batch(0, 4, 64, 100, 0), 0, 0).segments is None
   # and such rows are planned as prepared data is (the attention's mask costed)
-  from mtjax import config  # noqa: PLC0415
-  from mtjax.plan.search import carries_documents  # noqa: PLC0415
+  from mtjax import config
+  from mtjax.plan.search import carries_documents
   cfg = config.load(TINY)
   assert not carries_documents(bench.with_documents(cfg, 1))
   assert carries_documents(bench.with_documents(cfg, 5))
@@ -106,8 +106,8 @@ def test_tracer_survives_an_array_donated_before_it_is_watched():
 def test_long_context_smoke_extrapolates_a_slice(tmp_path, capsys):
   """The smoke's slice row: the training run, the whole model's plan beside it, the
   extrapolation and the table."""
-  import long_context  # noqa: PLC0415
-  from mtjax import config, plan  # noqa: PLC0415
+  import long_context
+  from mtjax import config, plan
   assert long_context.main(["--smoke", "--out", str(tmp_path)]) == 0
   row = json.loads((tmp_path / "tiny_128_L1.json").read_text())
   assert row["train"]["seq"] == 128 and row["train"]["layers"] == 1 and row["full_layers"] == 3
@@ -125,7 +125,7 @@ def test_long_context_smoke_extrapolates_a_slice(tmp_path, capsys):
 def test_long_context_table_says_why_a_slice_has_no_whole_model_step():
   """A slice whose whole model the planner refused shows the refusal, not "(this row)", and
   `--ceiling` holds every row against one rate."""
-  import long_context  # noqa: PLC0415
+  import long_context
   train = {"step_s_median": 2.0, "tokens_per_s": 100.0, "model_tflops": 50.0,
            "tflops_with_attention": 300.0, "device_peak_gib": 10.0, "plan_device_gib": 10.5,
            "peak_rss_gib": 5.0, "plan_host_gib": 6.0, "plan_schedule_s": 1.9}
@@ -139,7 +139,7 @@ def test_long_context_table_says_why_a_slice_has_no_whole_model_step():
 
 
 def test_int8_adamw_smoke_times_each_state_dtype_and_compares_the_maps(tmp_path):
-  import int8_adamw  # noqa: PLC0415
+  import int8_adamw
   out = tmp_path / "int8_adamw.json"
   assert int8_adamw.main(["--smoke", "--out", str(out)]) == 0
   r = json.loads(out.read_text())
@@ -151,7 +151,7 @@ def test_int8_adamw_smoke_times_each_state_dtype_and_compares_the_maps(tmp_path)
 
 
 def test_moe_kernels_smoke_checks_each_implementation_against_float32(tmp_path):
-  import moe_kernels  # noqa: PLC0415
+  import moe_kernels
   assert moe_kernels.main(["--smoke", "--out", str(tmp_path)]) == 0
   rows = json.loads((tmp_path / "moe_kernels.json").read_text())
   assert {r["skew"] for r in rows} == {1, 8}
@@ -163,7 +163,7 @@ def test_moe_kernels_smoke_checks_each_implementation_against_float32(tmp_path):
 def test_attention_kernels_smoke_checks_each_kernel_against_float32(tmp_path):
   """Every (variant, candidate) gets a row; the measured ones (sinks through the Triton kernel's
   lse, in Pallas's interpreter, and v padded for the latent widths included) match float32."""
-  import attention_kernels  # noqa: PLC0415
+  import attention_kernels
   out = tmp_path / "attention.json"
   assert attention_kernels.main(["--smoke", "--out", str(out)]) == 0
   rows = json.loads(out.read_text())
@@ -189,7 +189,7 @@ def test_attention_kernels_smoke_checks_each_kernel_against_float32(tmp_path):
 
 
 def test_attention_kernels_refuses_an_unknown_candidate_in_one_line(capsys):
-  import attention_kernels  # noqa: PLC0415
+  import attention_kernels
   assert attention_kernels.main(["--smoke", "--impls", "xla,flash"]) == exits.BAD_INPUT
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("attention_kernels: unknown candidate 'flash'"), err
@@ -200,8 +200,8 @@ def test_deepspeed_baseline_smoke_builds_the_same_shape(tmp_path, family):
   """transformers' model built from the family's config.json has mtjax's parameter count (the
   smoke refuses otherwise), and the record says what a step took, a mixture's TFLOP/s from its
   active parameters."""
-  import deepspeed_baseline  # noqa: PLC0415
-  from mtjax import config, plan  # noqa: PLC0415
+  import deepspeed_baseline
+  from mtjax import config, plan
   cfg_path = TINY
   if family == "qwen3_moe":
     cfg_path = tmp_path / "moe.yaml"
@@ -222,7 +222,7 @@ def test_deepspeed_baseline_smoke_builds_the_same_shape(tmp_path, family):
 
 @pytest.mark.soak
 def test_gpu_check_smoke_holds_the_engine_to_the_reference(capsys):
-  import gpu_check  # noqa: PLC0415
+  import gpu_check
   assert gpu_check.main(["--smoke"]) == 0  # 1 if any placement is 1e-5 from the reference
   out = capsys.readouterr().out
   assert "tiers device=1 stream=2" in out and "attention blockwise" in out
@@ -231,7 +231,7 @@ def test_gpu_check_smoke_holds_the_engine_to_the_reference(capsys):
 
 @pytest.mark.soak
 def test_finetune_smoke_exports_what_transformers_reads_back(tmp_path):
-  import finetune  # noqa: PLC0415
+  import finetune
   assert finetune.main([str(tmp_path), "--smoke"]) == 0
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert summary["logits_rel_err"] < 1e-5 and summary["argmax_agreement"] == 1.0
@@ -246,7 +246,7 @@ def test_finetune_smoke_exports_what_transformers_reads_back(tmp_path):
 def test_recipes_smoke_runs_sft_dpo_and_accumulation(tmp_path, capsys):
   """ShareGPT SFT, exported, then DPO from the export on preference rows, then one batch in one
   and in four passes: each run's summary, report and DPO's reward metrics."""
-  import recipes  # noqa: PLC0415
+  import recipes
   assert recipes.main([str(tmp_path), "--smoke"]) == 0
   rows = {r["run"]: r for r in json.loads((tmp_path / "summary.json").read_text())}
   assert list(rows) == ["sft_sharegpt", "dpo_preference", "sft_b32_accum1", "sft_b32_accum4"]

@@ -1,5 +1,6 @@
 """Config: typed YAML with dotted overrides; every bad value is a one-line error naming its key."""
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -110,7 +111,7 @@ def test_missing_file_and_non_mapping(tmp_path):
 
 def test_configs_are_frozen():
   cfg = config.load(CONFIGS / "tiny.yaml")
-  with pytest.raises(Exception):
+  with pytest.raises(dataclasses.FrozenInstanceError):
     cfg.train.steps = 3
 
 

@@ -1,11 +1,20 @@
 """Data: deterministic batches from the synthetic stream and from a flat token file."""
 
+import dataclasses
+import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+from tokenizers import Tokenizer, processors
 
 from mtjax import config, data
+from mtjax.data import chat
+from test_chat import CHATML_TAGGED, CONVERSATIONS, SPECIALS, TEMPLATES, make_tokenizer
 
 
 def test_synthetic_is_deterministic_shifted_and_in_range():
@@ -52,17 +61,6 @@ def test_token_file_errors(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Prepared documents: prepare (tokenize + split + write), loading checks, packed / padded batches.
 
-import dataclasses
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-from tokenizers import Tokenizer, processors
-
-from mtjax.data import chat
-from test_chat import CHATML_TAGGED, CONVERSATIONS, SPECIALS, TEMPLATES, make_tokenizer
 
 PAD = 0
 
@@ -246,7 +244,7 @@ def test_prepare_text_and_jsonl(tmp_path):
                        progress=False)
   assert again["splits"] == meta["splits"]
   assert (tmp_path / "again" / "val.bin").read_bytes() == (tmp_path / "out" / "val.bin").read_bytes()
-  other = data.prepare(tok_dir, tmp_path / "other", [str(corpus)], val_fraction=0.25, seed=2,
+  data.prepare(tok_dir, tmp_path / "other", [str(corpus)], val_fraction=0.25, seed=2,
                        progress=False)
   assert (tmp_path / "other" / "val.bin").read_bytes() != (tmp_path / "out" / "val.bin").read_bytes()
   batch = next(data.batches(prepared_cfg(tmp_path / "out"), 2, 16, tok.get_vocab_size(), 0))

@@ -19,7 +19,7 @@ from test_chat import CHATML_TAGGED, make_tokenizer
 from test_data import prepare_cli
 
 pa = pytest.importorskip("pyarrow")
-import pyarrow.parquet as pq  # noqa: E402
+import pyarrow.parquet as pq
 
 README = Path(__file__).parent.parent / "README.md"
 ALPACA = [{"instruction": "What is the capital of France?", "input": "", "output": "Paris."},

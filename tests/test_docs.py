@@ -105,7 +105,7 @@ def test_readme_functional_api_example_runs(tmp_path):
   code = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
   scope = {}
   # The README's own code, as a reader would paste it.
-  exec(textwrap.dedent(code).replace('"MODEL"', repr(str(tmp_path))), scope)  # noqa: S102
+  exec(textwrap.dedent(code).replace('"MODEL"', repr(str(tmp_path))), scope)
   assert scope["logits"].shape == (1, 4, 64)
   names = scope["tensors"]
   assert "model.layers.1.self_attn.q_proj.weight" in names

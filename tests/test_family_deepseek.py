@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 # After the skip: the parity harness imports torch and transformers.
-import parity  # noqa: E402
+import parity
 
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
             mscale=0.707, mscale_all_dim=1.0, beta_fast=32, beta_slow=1)

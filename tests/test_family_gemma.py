@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 # After the skip: the parity harness imports torch and transformers.
-import parity  # noqa: E402
+import parity
 
 SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,

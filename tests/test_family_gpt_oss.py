@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 # After the skip: the parity harness imports torch and transformers.
-import parity  # noqa: E402
+import parity
 
 AUX = 0.5  # router_aux_loss_coef: large enough that a wrong load-balancing loss shows in the loss
 CONFIG = dict(
@@ -167,7 +167,7 @@ def test_write_config_needs_experts():
 
 def test_mxfp4_unpacking_equals_transformers_bit_for_bit():
   # transformers' MXFP4 integration, imported by the one test that compares against it.
-  from transformers.integrations.mxfp4 import convert_moe_packed_tensors  # noqa: PLC0415
+  from transformers.integrations.mxfp4 import convert_moe_packed_tensors
   rng = np.random.default_rng(0)
   blocks = rng.integers(0, 256, (3, 40, 8, 16), dtype=np.uint8)
   scales = rng.integers(0, 256, (3, 40, 8), dtype=np.uint8)

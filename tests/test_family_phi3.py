@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 # After the skip: the parity harness imports torch and transformers.
-import parity  # noqa: E402
+import parity
 
 ORIG = 8  # original_max_position_embeddings: a 12-token sequence is long, a 6-token one short
 LONG_T, SHORT_T = 12, 6

@@ -17,8 +17,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 # After the skip: the parity harness and moe_checks import torch and transformers.
-import moe_checks  # noqa: E402
-import parity  # noqa: E402
+import moe_checks
+import parity
 
 COEF = 0.2  # router_aux_loss_coef: large enough that a wrong load balance moves the gradients
 SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=40, moe_intermediate_size=16,

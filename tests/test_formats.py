@@ -22,7 +22,7 @@ from test_chat import CHATML_TAGGED, hf_tokenizer, make_tokenizer, runs
 from test_data import prepare_cli
 
 pa = pytest.importorskip("pyarrow")
-import pyarrow.parquet as pq  # noqa: E402
+import pyarrow.parquet as pq
 
 SYSTEM = "Be brief."
 

@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 # After the skip: the parity harness imports torch and transformers.
-import parity  # noqa: E402
+import parity
 
 BASE = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, intermediate_size=48, initializer_range=0.2)

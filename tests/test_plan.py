@@ -13,7 +13,7 @@ import jax
 import pytest
 from hypothesis import given, settings, strategies as hst
 
-from mtjax import config, engine, exits, launch, models, plan, store as store_lib, train
+from mtjax import config, exits, launch, models, plan, store as store_lib, train
 from mtjax.plan import __main__ as plan_cli
 
 CONFIGS = Path(__file__).parent.parent / "configs"
@@ -422,7 +422,7 @@ def test_activations_auto_spills_the_fewest_inputs_that_fit_both_memories():
 def test_the_plan_counts_the_export_shard_beside_the_state():
   """An export gathers a shard (up to hf.MAX_SHARD_BYTES) in its dtype before writing it; the
   plan's host total carries that (the 1B fine-tune on the H200 peaked 8 GiB over a plan without it)."""
-  from mtjax import hf  # noqa: PLC0415
+  from mtjax import hf
   base = config.load(CONFIGS / "llama_1b.yaml", ["engine.device_state_layers=0"])
   item = "import / export staging (start / end)"
   with_ = lambda *o: plan.make(config.load(CONFIGS / "llama_1b.yaml",
@@ -479,7 +479,7 @@ def test_the_attention_kernels_shares_are_the_measured_ones():
   row by its causal FLOPs and the kernel's share. Within 20%: the model has one figure per kernel
   and head width; what it leaves out (the documents' cut of the blockwise kernel's blocks, the
   sequence length) moves the rows by up to 16%."""
-  from mtjax.plan.search import kernel_efficiency  # noqa: PLC0415
+  from mtjax.plan.search import kernel_efficiency
   rows = json.loads((Path(__file__).parent.parent / "benchmarks/results/h100/attention/"
                      "attention.json").read_text())
   ms = {(r["variant"], r["impl"]): r["ms"] for r in rows if r.get("ms")}
@@ -562,7 +562,7 @@ def test_the_14b_config_is_qwen2_5_14b_as_the_qwen2_family_reads_it():
   """configs/qwen2.5_14b.yaml computes what the published Qwen2.5-14B does (the qwen2 family's
   reading of its config.json, q/k/v biases included), so the plan labels it qwen2 and an export
   writes Qwen2's config.json."""
-  from mtjax.models import registry  # noqa: PLC0415
+  from mtjax.models import registry
   m = config.load(CONFIGS / "qwen2.5_14b.yaml").model
   assert m == config.ModelConfig(**registry.read_hf_config(QWEN2_5_14B))
   assert plan.param_counts(m)["total"] == pytest.approx(14.77e9, abs=0.005e9)
@@ -711,7 +711,7 @@ def test_the_planner_takes_the_machines_facts_as_arguments_and_touches_nothing()
   out = subprocess.run([sys.executable, "-c", PURE_PLAN], capture_output=True, text=True,
                        cwd=CONFIGS.parent)
   assert out.returncode == 0 and out.stdout.strip() == "pure", out.stderr
-  import ast  # noqa: PLC0415
+  import ast
   for path in sorted((CONFIGS.parent / "mtjax" / "plan").glob("*.py")):
     if path.name == "__main__.py":
       continue
@@ -729,8 +729,8 @@ def test_the_planner_takes_the_machines_facts_as_arguments_and_touches_nothing()
 def test_the_planners_measured_constants_are_the_ones_docs_performance_shows():
   """The figures behind the planner's constants live in docs/performance.md; every constant its
   table names exists, and the attention kernels' shares there are the code's."""
-  import re  # noqa: PLC0415
-  from mtjax.plan import memory, schedule, search  # noqa: PLC0415
+  import re
+  from mtjax.plan import memory, schedule, search
   text = (CONFIGS.parent / "docs" / "performance.md").read_text()
   section = text.split("## The planner's constants\n")[1].split("\n## ")[0]
   names = re.findall(r"^\| `([A-Z_]+|Rates\.\w+)`", section, re.M)

@@ -124,7 +124,7 @@ def test_readme_bash_blocks_run_as_written(work):
 def test_readme_python_block_runs(work):
   code, = blocks("python")
   scope = {}
-  exec(textwrap.dedent(code).replace('"MODEL"', repr(str(work / "MODEL"))), scope)  # noqa: S102 - the README's own code
+  exec(textwrap.dedent(code).replace('"MODEL"', repr(str(work / "MODEL"))), scope)  # the README's own code
   vocab = scope["cfg"].vocab_size
   assert scope["logits"].shape == (1, 4, vocab)
   assert "model.layers.1.self_attn.q_proj.weight" in scope["tensors"]

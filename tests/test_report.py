@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from mtjax import exits, report  # noqa: E402
+from mtjax import exits, report
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -19,7 +19,7 @@ from mtjax.data.sources import (SPLITS, Pairs, Prepared, PreparedSource, TokenFi
 
 def prepare(*args, **kwargs):
   """`mtjax.data.tokenize.prepare` (imported on first use: it loads the tokenizers library)."""
-  from mtjax.data.tokenize import prepare as run  # noqa: PLC0415
+  from mtjax.data.tokenize import prepare as run
   return run(*args, **kwargs)
 
 

@@ -83,7 +83,8 @@ def _floats(option: str):
     try:
       return [float(x) for x in text.split(",")]
     except ValueError:
-      raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers")
+      raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers"
+                                       ) from None
   parse.__name__ = option
   return parse
 

@@ -30,7 +30,7 @@ class BadRow(ValueError):
 
 def _pyarrow():
   try:
-    import pyarrow  # noqa: PLC0415
+    import pyarrow
   except ImportError:
     raise ValueError("reading Parquet, Arrow or datasets folders needs pyarrow: pip install "
                      "pyarrow") from None
@@ -91,7 +91,7 @@ def _arrow_batches(path: Path) -> Iterator:
 
 def _parquet_batches(path: Path) -> Iterator:
   pa = _pyarrow()
-  import pyarrow.parquet as pq  # noqa: PLC0415
+  import pyarrow.parquet as pq
   try:
     f = pq.ParquetFile(str(path))
     yield from f.iter_batches(batch_size=_BATCH_ROWS)
@@ -209,7 +209,7 @@ def count(path: Path, whole: bool) -> int:
     return 1
   if k == "parquet":
     pa = _pyarrow()
-    import pyarrow.parquet as pq  # noqa: PLC0415
+    import pyarrow.parquet as pq
     try:
       return pq.ParquetFile(str(path)).metadata.num_rows
     except (pa.ArrowException, OSError) as e:

@@ -88,7 +88,7 @@ _CHECKED: set = set()  # (path, size, mtime_ns) of the files whose checksum matc
 
 def checksum(path: str | Path) -> str:
   """The crc32c of a file as 8 hex digits, read in 16 MiB pieces."""
-  import google_crc32c  # noqa: PLC0415
+  import google_crc32c
 
   crc = 0
   with open(path, "rb") as f:

@@ -423,7 +423,7 @@ class Vocabulary:
 def load_vocabulary(req: Request) -> Vocabulary:
   """The tokenizer of --tokenizer, its EOS and pad ids; a chat format's template is checked too,
   before any input is read."""
-  from tokenizers import Tokenizer  # noqa: PLC0415 - the Rust library, loaded when used
+  from tokenizers import Tokenizer  # the Rust library, loaded when used
 
   tok_file, _ = chat.tokenizer_files(req.tokenizer)
   tok_cfg = chat.load_tokenizer_config(req.tokenizer)
@@ -628,7 +628,7 @@ def input_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
   if readers.kind(path) == "parquet":
     try:
-      import pyarrow.parquet as pq  # noqa: PLC0415
+      import pyarrow.parquet as pq
       meta = pq.ParquetFile(path).metadata
       return max(path.stat().st_size,
                  sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)))
@@ -703,7 +703,7 @@ def tokenize_into(tmp: Path, req: Request, vocab: Vocabulary, plan: Plan, progre
                   ) -> dict[str, _Split]:
   """Tokenizes every used row into `tmp` in the sources' order (a mixture's training split as
   train.raw.*, with each document's repeats) and counts it into the sources' stats."""
-  from tqdm import tqdm  # noqa: PLC0415
+  from tqdm import tqdm
 
   splits = {s: _Split(tmp, f"{s}.raw" if s == "train" and plan.mixture else s, vocab.dtype,
                       plan.has_mask, plan.pairs) for s in SPLITS}

@@ -33,7 +33,7 @@ def supported(D: int, F: int, dtype) -> bool:
 
 def _forward(x_MxD, w_ExDxF, sizes_E, block_m=128, max_concurrent_steps=4, grid_block_n=1):
   # Imported where it runs: the kernels import Mosaic-GPU, which a host without a GPU may lack.
-  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # noqa: PLC0415
+  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
   D, F = w_ExDxF.shape[1:]
   return ragged_dot_mgpu.ragged_dot(
       x_MxD, w_ExDxF, group_sizes=sizes_E.astype(jnp.int32), block_m=block_m,
@@ -43,7 +43,7 @@ def _forward(x_MxD, w_ExDxF, sizes_E, block_m=128, max_concurrent_steps=4, grid_
 
 def _weight_grad(x_MxD, dy_MxF, sizes_E):
   # Imported where it runs, as in _forward.
-  from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as t  # noqa: PLC0415
+  from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as t
   D, F = x_MxD.shape[1], dy_MxF.shape[1]
   return t.transposed_ragged_dot(x_MxD, dy_MxF, group_sizes=sizes_E.astype(jnp.int32),
                                  block_m=tiles(D), block_n=tiles(F), block_k=64,

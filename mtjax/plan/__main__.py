@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     if args.machine:
       plan = Machine.load(args.machine).plan(cfg)
     else:
-      from mtjax import launch  # noqa: PLC0415 - a command above launch; --machine needs none of it
+      from mtjax import launch  # a command above launch; --machine needs none of it
       if args.no_device:
         plan = make(cfg, host_limit=launch.host_memory_limit(),
                     rates=Rates(accelerator=launch.probe_device_memory() is not None))

@@ -28,7 +28,7 @@ class Machine:
   @classmethod
   def load(cls, path: str | Path) -> "Machine":
     """Reads and checks a machine file; ConfigError (one line) on anything wrong."""
-    import yaml  # noqa: PLC0415
+    import yaml
     try:
       raw = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as e:

@@ -58,7 +58,7 @@ def hf_staging_bytes(cfg: config_lib.Config) -> int:
   writes one group at a time (a group's fp32 buffer, its tensors read through memory maps in
   chunks); the export gathers up to one shard of tensors in the export dtype before writing it,
   beside one group's fp32 weights copied from its tier."""
-  from mtjax import hf  # noqa: PLC0415 - numpy and the safetensors format only; no backend
+  from mtjax import hf  # numpy and the safetensors format only; no backend
   pc = param_counts(cfg.model)
   group = 4 * max(v for k, v in pc.items() if k not in ("total", "active"))
   imported = group if cfg.model.from_hf else 0

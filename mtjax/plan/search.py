@@ -697,7 +697,7 @@ def attention_kernels(cfg: config_lib.Config, rates: Rates) -> list[str]:
   (models.layers.choose_attention), then per layer (layer_kernel): prepared data (not preference
   pairs) carries document ids, which cuDNN takes as a mask; a soft-cap or sinks take the blockwise
   kernel."""
-  from mtjax.models import layers  # noqa: PLC0415 - flax: loaded when a plan is made
+  from mtjax.models import layers  # flax: loaded when a plan is made
   m, e, t = cfg.model, cfg.engine, cfg.train
   widths = models.spec(m).attention_widths
   impl = layers.choose_attention(e.attention, "gpu" if rates.accelerator else "cpu",
