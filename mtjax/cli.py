@@ -11,6 +11,11 @@ from pathlib import Path
 from mtjax import config, exits, hf, models, objectives
 from mtjax.config import TRAINING_KNOBS, Config, ConfigError
 
+# What --help of a command that reads a config ends with.
+CONFIG_HELP = ("Every config key (train.*, data.*, optim.*, engine.*, model.*) with its type, default "
+               "and meaning: the config reference in README.md and docs/config.md (python -m "
+               "mtjax.config_reference prints it).")
+
 # Model keys a run may set beyond its config.json: the context it is trained to.
 LENGTH_KNOBS = ("max_position",)
 

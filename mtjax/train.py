@@ -657,9 +657,7 @@ def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(
       prog="python -m mtjax.train", description=__doc__,
       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-      epilog="Every config key (train.*, data.*, optim.*, engine.*, model.*) with its type, "
-             "default and meaning: the config reference in README.md and docs/config.md "
-             "(python -m mtjax.config_reference prints it).")
+      epilog=cli.CONFIG_HELP)
   p.add_argument("--json", help="also write the summary as JSON to this path")
   p.add_argument("--no-progress", action="store_true",
                  help="plain step lines instead of the progress bar (the default whenever stdout "

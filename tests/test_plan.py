@@ -743,3 +743,11 @@ def test_the_planners_measured_constants_are_the_ones_docs_performance_shows():
   assert shares == {"WIDE_SHARE": str(search.WIDE_SHARE), "MASK_SHARE": f"{search.MASK_SHARE:.2f}"}
   assert f"width / {search.BLOCKWISE_WIDTH}, at most {search.BLOCKWISE_MAX_SHARE}" in section
   assert f"width / {search.XLA_WIDTH}" in section
+
+
+def test_plan_help_points_to_the_config_reference(capsys):
+  from mtjax.plan import __main__ as plan_cli
+  with pytest.raises(SystemExit) as e:
+    plan_cli.main(["--help"])
+  text = " ".join(capsys.readouterr().out.split())
+  assert e.value.code == 0 and "docs/config.md" in text and "(default: None)" in text

@@ -22,7 +22,9 @@ from mtjax.plan.search import PlanError, check, make
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m mtjax.plan", description=__doc__)
+  p = argparse.ArgumentParser(prog="python -m mtjax.plan", description=__doc__,
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                              epilog=cli.CONFIG_HELP)
   p.add_argument("--machine", help="plan for the machine this YAML file describes "
                                    "(configs/machines/h200.yaml), not this one; no accelerator used")
   p.add_argument("--no-device", action="store_true",
