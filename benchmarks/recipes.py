@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -126,6 +127,10 @@ def main(argv=None) -> int:
     rows.append(train(out, "sft_sharegpt", config, *common, f"data.path={sft}",
                       f"train.steps={steps}", "train.batch=8", f"train.seq={seq}",
                       f"train.export_dir={work / 'sft_export'}", "train.export_dtype=float32"))
+    # a model trained from scratch exports no tokenizer: the one its data was prepared with goes
+    # beside it, as a Hugging Face directory holds (the DPO run checks its data against it)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+      shutil.copy(tok / name, work / "sft_export" / name)
     rows.append(train(out, "dpo_preference", config, *common, f"data.path={dpo}",
                       f"model.from_hf={work / 'sft_export'}",
                       "train.objective=dpo", "train.dpo.beta=0.1", "optim.lr=2e-5",

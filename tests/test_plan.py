@@ -751,3 +751,23 @@ def test_plan_help_points_to_the_config_reference(capsys):
     plan_cli.main(["--help"])
   text = " ".join(capsys.readouterr().out.split())
   assert e.value.code == 0 and "docs/config.md" in text and "(default: None)" in text
+
+
+def test_the_fused_updates_cost_follows_the_moments_storage():
+  """The plan costs the host loop and the device update at the state dtype's measured share
+  (plan.schedule.STATE_COSTS): the same placement's host-optimizer term is float32's over the
+  share, and the table in docs/performance.md holds the code's figures."""
+  from mtjax.plan import schedule
+  terms = {}
+  for sd in ("float32", "bfloat16", "int8"):
+    cfg = config.load(CONFIGS / "qwen2.5_14b.yaml", [
+        f"optim.state_dtype={sd}", "engine.device_state_layers=2", "engine.device_update_layers=33"])
+    terms[sd] = plan.make(cfg, rates=plan.Rates()).step_s["host optimizer"]
+  for sd in ("bfloat16", "int8"):
+    assert terms[sd] == pytest.approx(terms["float32"] / schedule.STATE_COSTS[sd][0], rel=1e-9)
+  text = (CONFIGS.parent / "docs" / "performance.md").read_text()
+  host = ", ".join(f"{k} {v[0]}" for k, v in schedule.STATE_COSTS.items())
+  assert f"host share {host}" in text
+  assert f"x{schedule.STATE_COSTS['int8'][1]}" in text
+  with pytest.raises(ValueError, match="already for int8"):
+    plan.Rates().for_state("int8").for_state("int8")

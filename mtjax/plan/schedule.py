@@ -102,6 +102,25 @@ class Rates:
   hbm_gbps: float = 4300.0
   accelerator: bool = True  # False: the CPU backend runs the layers (no CUDA runtime, no pinned pool)
   compute_capability: float = 9.0  # the GPU's (Hopper: 9.0): which attention kernels apply
+  device_update_factor: float = 1.0  # a device update's time against float32 moments' (STATE_COSTS)
+  state_dtype: str | None = None  # the moments these rates are for (for_state); None: float32's, unscaled
+
+  def for_state(self, state_dtype: str) -> "Rates":
+    """These rates for the fused AdamW with `state_dtype` moments (STATE_COSTS)."""
+    if self.state_dtype is not None:
+      raise ValueError(f"rates already for {self.state_dtype} moments")
+    host, device = STATE_COSTS[state_dtype]
+    return dataclasses.replace(
+        self, host_adamw_gparams=self.host_adamw_gparams * host,
+        host_adamw_in_step_gparams=self.host_adamw_in_step_gparams * host,
+        host_adamw_in_step_best_gparams=self.host_adamw_in_step_best_gparams * host,
+        device_update_factor=device, state_dtype=state_dtype)
+
+
+# The fused AdamW's cost by optim.state_dtype against float32 moments', measured side by side
+# (docs/performance.md, "Optimizer state"): the host loop's rate as a share of float32's, and a
+# device update's time as a multiple of float32's (bfloat16's not measured: taken as float32's).
+STATE_COSTS = {"float32": (1.0, 1.0), "bfloat16": (0.31, 1.0), "int8": (0.56, 2.27)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,10 +177,12 @@ def simulate(layers: list[Layer], tiers, rates: Rates, inflight: int = 2, grad_q
     """Group g's update, its gradient ready at `ready` (on the host for host groups)."""
     lay, tier = layers[g], tiers[g]
     if tier == "stream":  # m and v go back; the device's new weights stay for the next forward
-      updated[g] = run("compute", ready, lay.params * DEVICE_UPDATE_BYTES / hbm_rate)
+      updated[g] = run("compute", ready, lay.params * DEVICE_UPDATE_BYTES
+                       * rates.device_update_factor / hbm_rate)
       moments_back[g] = run("d2h", updated[g], moment_bytes * lay.params / d2h_rate)
     elif tier == "device":
-      updated[g] = run("compute", ready, lay.params * DEVICE_UPDATE_BYTES / hbm_rate)
+      updated[g] = run("compute", ready, lay.params * DEVICE_UPDATE_BYTES
+                       * rates.device_update_factor / hbm_rate)
     else:
       updated[g] = run("opt", ready, lay.params / opt_rate)
       opt_done.append(updated[g])

@@ -108,6 +108,8 @@ def make(cfg: config_lib.Config, host_limit: int | None = None, device_limit: in
     pinned_cap: the pinned pool's cap when it is fixed already (the backend has started).
   """
   refuse_by_size(cfg, host_limit, device_limit)
+  if cfg.optim.name == "adamw" and cfg.optim.impl == "fused" and rates.state_dtype is None:
+    rates = rates.for_state(cfg.optim.state_dtype)  # the fused update's cost of its moments
   if "auto" in (cfg.engine.activations_every, cfg.engine.activations):
     return _saved_inputs(cfg, lambda c: make(c, host_limit, device_limit, rates, working,
                                             opt_bytes, pinned_cap))
@@ -544,7 +546,8 @@ def _compute(cfg: config_lib.Config, spec: models.ModelSpec, g: _Groups, shape: 
   rerun = shape.reruns
   total = (seconds((6 + 2 * rerun) * sum(block_matmul) * tokens + head_flops,
                    (3 + rerun) * sum(attn_fwd)) + head_mem_s
-           + DEVICE_UPDATE_BYTES * g.params(g.stream + g.device) / (rates.hbm_gbps * 1e9))
+           + DEVICE_UPDATE_BYTES * rates.device_update_factor * g.params(g.stream + g.device)
+           / (rates.hbm_gbps * 1e9))
   # the schedule's layers are one pass's (simulate runs G of them per step)
   block_fwd = [seconds(2 * block_matmul[i] * tokens, attn_fwd[i]) / G for i in range(L)]
   return _Compute(total, block_fwd, (seconds(head_flops, 0) + head_mem_s) / G)
