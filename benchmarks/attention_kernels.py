@@ -63,6 +63,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mtjax import attention, exits
+from mtjax.attention import with_sinks
 
 from moe_kernels import median_time
 
@@ -161,40 +162,6 @@ def flops(c: Case) -> tuple[float, float]:
 
 def scores_gib(c: Case) -> float:
   return c.B * c.N * c.T * c.T * 4 / 2**30
-
-
-def with_sinks(fwd, bwd):
-  """Attention with sinks (one valueless logit per query head) from a kernel that gives its lse.
-
-  fwd(q, k, v) -> (out [B, T, N, Hv], lse [B, N, T] in natural log, residuals); bwd(residuals,
-  out, dout) -> (dq, dk, dv): the kernel's own backward, handed the output and cotangent to use.
-  The sink leaves each row keep = sigmoid(lse - sink) of its softmax, so out' = keep * out. Giving
-  the kernel's backward keep * out and keep * dout' yields the gradient through the output and the
-  lse at once: dv and dp take keep * dout', and its delta, rowsum(dout * out), takes keep^2, which
-  is keep * (the delta of out') as the sink's softmax needs. d sink = -sum keep (1 - keep) dout' . out.
-
-  Returns:
-    f(q, k, v, sinks_N) -> out' in out's dtype, differentiable in all four.
-  """
-  def apply(q, k, v, sinks_N):
-    out, lse_BxNxT, res = fwd(q, k, v)
-    keep_BxNxT = jax.nn.sigmoid(lse_BxNxT.astype(F32) - sinks_N.astype(F32)[None, :, None])
-    keep_BxTxNx1 = keep_BxNxT.transpose(0, 2, 1)[..., None]
-    return (out * keep_BxTxNx1).astype(out.dtype), (res, out, keep_BxTxNx1, sinks_N)
-
-  @jax.custom_vjp
-  def f(q, k, v, sinks_N):
-    return apply(q, k, v, sinks_N)[0]
-
-  def f_bwd(saved, dout):
-    res, out, keep, sinks_N = saved
-    dq, dk, dv = bwd(res, (out * keep).astype(out.dtype), (dout * keep).astype(dout.dtype))
-    delta_BxTxNx1 = jnp.sum(dout.astype(F32) * out.astype(F32), axis=-1, keepdims=True)
-    dsinks_N = -jnp.sum(keep * (1 - keep) * delta_BxTxNx1, axis=(0, 1, 3))
-    return dq, dk, dv, dsinks_N.astype(sinks_N.dtype)
-
-  f.defvjp(apply, f_bwd)
-  return f
 
 
 def _xprof_placeholder():

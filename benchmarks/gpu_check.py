@@ -4,7 +4,9 @@ minute:
   1. streamed gradients and three clipped AdamW steps against the whole-model reference
      (tests/reference.py) + optax, fp32 with true fp32 matmuls, in every placement mix;
   2. gradients with each attention kernel (cuDNN's fused one on a GPU, XLA's, mtjax's blockwise)
-     in bf16 against the fp32 reference;
+     in bf16 against the fp32 reference, and the layer variants the kernel choice routes to
+     cuDNN by jax's cuDNN call (sinks, sinks in a window, MLA's 192/128 widths): output and every
+     gradient of models.layers.attend against mtjax.attention.dense_attention in fp32;
   3. the host update rates of the fused AdamW and the general optax path on XLA:CPU.
 
     PYTHONUNBUFFERED=1 python benchmarks/gpu_check.py [--smoke]
@@ -108,6 +110,55 @@ def attention_kernels(impls) -> None:
     eng.close()
 
 
+VARIANTS = {  # name: (B, T, N, K, H, Hv, window, sinks)
+    "sinks": (2, 2048, 16, 4, 64, 64, None, True),
+    "sinks-window": (2, 2048, 16, 4, 64, 64, 128, True),
+    "mla-widths": (2, 2048, 8, 8, 192, 128, None, False),
+}
+
+
+def attention_variants(impl: str, seq: int = 2048) -> float:
+  """The worst relative error of output and gradients (q, k, v, sinks) of each variant through
+  `impl` (bf16) against the fp32 scores-whole reference; bf16 operands: under 2e-2."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from mtjax import attention
+  from mtjax.models import layers
+  worst = 0.0
+  for name, (B, T, N, K, H, Hv, window, sinks) in VARIANTS.items():
+    T = min(T, seq)
+    rng = np.random.default_rng(len(name))
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in
+               ((B, T, N, H), (B, T, K, H), (B, T, K, Hv)))
+    s_N = jnp.asarray(rng.standard_normal(N), jnp.float32) if sinks else None
+    ct = jnp.asarray(rng.standard_normal((B, T, N, Hv)), jnp.float32)
+    args = (q, k, v) + ((s_N,) if sinks else ())
+
+    def run(f, *a):
+      y, pull = jax.vjp(f, *a)
+      return (y, *pull(ct.astype(y.dtype)))
+
+    def ours(q, k, v, *s):
+      return layers.attend(q, k, v, None, implementation=impl, window=window,
+                           sinks_N=s[0] if s else None)
+
+    def ref(q, k, v, *s):
+      return attention.dense_attention(q, k, v, causal=True, window=window,
+                                       sinks_N=s[0] if s else None)
+    got = jax.jit(lambda *a: run(ours, *a))(*(a.astype(jnp.bfloat16) if a.ndim == 4 else a
+                                              for a in args))
+    with jax.default_matmul_precision("highest"):
+      want = jax.jit(lambda *a: run(ref, *a))(*args)
+    errs = [rel(np.asarray(g, np.float32), np.asarray(w)) for g, w in zip(got, want, strict=True)]
+    worst = max(worst, *errs)
+    kernel = layers.layer_kernel(impl, seq=T, packed=False, sinks=sinks, same_widths=H == Hv)
+    print(f"attention variant {name} ({kernel}): rel err out/dq/dk/dv" + ("/dsinks" if sinks else "")
+          + " " + " ".join(f"{e:.1e}" for e in errs), flush=True)
+  return worst
+
+
 def host_rates(n: int) -> None:
   import jax
   import jax.numpy as jnp
@@ -152,7 +203,13 @@ def main(argv=None) -> int:
   else:
     worst = placements([(0, 0), (0, 5), (5, 0), (2, 2)])
     attention_kernels(["xla", "blockwise"] + (["cudnn"] if dev.platform == "gpu" else []))
+  variants = attention_variants("cudnn" if dev.platform == "gpu" else "blockwise",
+                                256 if args.smoke else 2048)
   host_rates(2**20 if args.smoke else 64 * 2**20)
+  if variants > 2e-2:
+    print(f"FAILED: an attention variant is {variants:.1e} from the fp32 reference (bf16 wants "
+          f"< 2e-2)", file=sys.stderr)
+    return 1
   if worst > 1e-5:
     print(f"FAILED: the engine is {worst:.1e} from the reference (fp32 wants < 1e-5)",
           file=sys.stderr)

@@ -442,3 +442,63 @@ def _attention_bwd(cfg, residuals, dout_BxTxNxHv):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def with_sinks(fwd, bwd):
+  """Attention with sinks (one valueless logit per query head) from a kernel that gives its lse.
+
+  fwd(q, k, v) -> (out [B, T, N, Hv], lse [B, N, T] in natural log, residuals); bwd(residuals,
+  out, dout) -> (dq, dk, dv): the kernel's own backward, handed the output and cotangent to use.
+  The sink leaves each row keep = sigmoid(lse - sink) of its softmax, so out' = keep * out. Giving
+  the kernel's backward keep * out and keep * dout' yields the gradient through the output and the
+  lse at once: dv and dp take keep * dout', and its delta, rowsum(dout * out), takes keep^2, which
+  is keep * (the delta of out') as the sink's softmax needs. d sink = -sum keep (1 - keep) dout' . out.
+
+  Returns:
+    f(q, k, v, sinks_N) -> out' in out's dtype, differentiable in all four.
+  """
+  def apply(q, k, v, sinks_N):
+    out, lse_BxNxT, res = fwd(q, k, v)
+    keep_BxNxT = jax.nn.sigmoid(lse_BxNxT.astype(jnp.float32) - sinks_N.astype(jnp.float32)[None, :, None])
+    keep_BxTxNx1 = keep_BxNxT.transpose(0, 2, 1)[..., None]
+    return (out * keep_BxTxNx1).astype(out.dtype), (res, out, keep_BxTxNx1, sinks_N)
+
+  @jax.custom_vjp
+  def f(q, k, v, sinks_N):
+    return apply(q, k, v, sinks_N)[0]
+
+  def f_bwd(saved, dout):
+    res, out, keep, sinks_N = saved
+    dq, dk, dv = bwd(res, (out * keep).astype(out.dtype), (dout * keep).astype(dout.dtype))
+    delta_BxTxNx1 = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
+    dsinks_N = -jnp.sum(keep * (1 - keep) * delta_BxTxNx1, axis=(0, 1, 3))
+    return dq, dk, dv, dsinks_N.astype(sinks_N.dtype)
+
+  f.defvjp(apply, f_bwd)
+  return f
+
+
+def cudnn_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, *, scale: float, window: int | None = None,
+                    sinks_N=None):
+  """Causal attention by cuDNN's fused kernel through jax's cuDNN call, which takes a value width
+  of its own (MLA's 192/128) and a sliding window of `window` keys, the query's own included; with
+  `sinks_N`, the sinks by `with_sinks` over the kernel's log-sum-exp and its own backward (jax's
+  fused-attention rules: the jax version this runs on is checked by benchmarks/gpu_check.py).
+  GPU only."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa  # the GPU's cuDNN: loaded when used
+  if sinks_N is None:
+    return fa.dot_product_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, scale=scale,
+                                    mask_type=fa.MaskType.CAUSAL, sliding_window_length=window)
+  statics = (scale, 42, 0.0, (False, False), fa.MaskType.CAUSAL,
+             fa._normalize_layout("BTNH").value, window, fa.check_cudnn_version())
+
+  def fwd(q, k, v):
+    unused = jnp.zeros(0, q.dtype)  # no bias, sequence lengths, offsets or pages
+    (out, lse), res = fa._dot_product_attention_fwd_rule(q, k, v, *(unused,) * 7, *statics, True)
+    return out, lse, res
+
+  def bwd(res, out, dout):
+    return fa._dot_product_attention_bwd_rule(*statics, False, (*res[:-1], out), dout)[:3]
+
+  return with_sinks(fwd, bwd)(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, sinks_N)
+

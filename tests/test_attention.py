@@ -460,7 +460,9 @@ def test_each_layer_takes_the_kernel_that_applies_to_it():
   assert choose_attention("auto", "gpu", hopper, "bfloat16", (32, 128, 128)) == "cudnn"
   assert choose_attention("auto", "gpu", hopper, "bfloat16", (16, 256, 256)) == "cudnn"
   assert choose_attention("auto", "gpu", ampere, "bfloat16", (16, 256, 256), 2048) == "xla"
-  assert choose_attention("auto", "gpu", hopper, "bfloat16", (16, 192, 128), 8192) == "blockwise"
+  # MLA's 192/128 widths: jax's cuDNN call on Hopper, the blockwise kernel before it
+  assert choose_attention("auto", "gpu", hopper, "bfloat16", (16, 192, 128), 8192) == "cudnn"
+  assert choose_attention("auto", "gpu", ampere, "bfloat16", (16, 192, 128), 8192) == "blockwise"
   assert choose_attention("auto", "gpu", hopper, "float32", (32, 128, 128), 2048) == "xla"
   assert choose_attention("auto", "cpu", 0.0, "bfloat16", (32, 128, 128),
                           BLOCKWISE_FROM_SEQ) == "blockwise"
@@ -469,6 +471,9 @@ def test_each_layer_takes_the_kernel_that_applies_to_it():
   assert layer_kernel("cudnn", seq=CUDNN_MASK_MAX_SEQ, packed=True) == "cudnn-mask"
   assert layer_kernel("cudnn", seq=2 * CUDNN_MASK_MAX_SEQ, packed=True) == "blockwise"
   assert layer_kernel("cudnn", seq=2048, packed=False, softcap=True) == "blockwise"
-  assert layer_kernel("cudnn", seq=2048, packed=False, sinks=True) == "blockwise"
-  assert layer_kernel("cudnn", seq=2048, packed=False, same_widths=False) == "blockwise"
+  # sinks and a value width of its own through jax's cuDNN call, not beside documents
+  assert layer_kernel("cudnn", seq=2048, packed=False, sinks=True) == "cudnn"
+  assert layer_kernel("cudnn", seq=2048, packed=False, same_widths=False) == "cudnn"
+  assert layer_kernel("cudnn", seq=2048, packed=True, sinks=True) == "blockwise"
+  assert layer_kernel("cudnn", seq=2048, packed=True, same_widths=False) == "blockwise"
   assert layer_kernel("xla", seq=2048, packed=True) == "xla"

@@ -216,7 +216,9 @@ def choose_attention(choice: str, platform: str, capability: float, compute_dtyp
     return choice
   _, hd, hv = widths
   widest = 256 if capability >= 9.0 else 128
-  if platform == "gpu" and compute_dtype == "bfloat16" and hd == hv and hd % 8 == 0 and hd <= widest:
+  # a value width of its own (MLA) through jax's cuDNN call, which needs Hopper's cuDNN
+  widths_ok = hd % 8 == 0 and hv % 8 == 0 and max(hd, hv) <= widest and (hd == hv or capability >= 9.0)
+  if platform == "gpu" and compute_dtype == "bfloat16" and widths_ok:
     return "cudnn"
   return "blockwise" if seq >= BLOCKWISE_FROM_SEQ else "xla"
 
@@ -224,12 +226,15 @@ def choose_attention(choice: str, platform: str, capability: float, compute_dtyp
 def layer_kernel(implementation: str, *, seq: int, packed: bool, softcap: bool = False,
                  sinks: bool = False, same_widths: bool = True) -> str:
   """The kernel one layer's attention runs: `implementation`, except that cuDNN's fused kernel
-  takes no logit cap, sinks or value width of its own, nor a document mask beyond
-  CUDNN_MASK_MAX_SEQ tokens: those layers run the blockwise kernel. `cudnn-mask` is cuDNN's
-  kernel with the documents as a mask."""
+  takes no logit cap, nor a document mask beyond CUDNN_MASK_MAX_SEQ tokens or beside sinks or a
+  value width of its own: those layers run the blockwise kernel. `cudnn-mask` is cuDNN's kernel
+  with the documents as a mask. Sinks (over the kernel's log-sum-exp) and a value width of its
+  own (MLA) take cuDNN through jax's cuDNN call (mtjax.attention.cudnn_attention): at 8k tokens
+  on an H100 0.97 and 1.00 of cuDNN's plain causal rate, where the blockwise kernel ran 0.10
+  and 0.13 (docs/performance.md, the attention table)."""
   if implementation != "cudnn":
     return implementation
-  if softcap or sinks or not same_widths or (packed and seq > CUDNN_MASK_MAX_SEQ):
+  if softcap or (packed and (seq > CUDNN_MASK_MAX_SEQ or sinks or not same_widths)):
     return "blockwise"
   return "cudnn-mask" if packed else "cudnn"
 
@@ -253,14 +258,19 @@ def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, segments_BxT, *, implementation: str
            sinks_N=None):
   """Causal attention over the sequence with the layer's options, by the chosen kernel.
 
-  cuDNN's fused kernel takes a causal window, and packed documents as a [B, 1, T, T] mask up to
-  CUDNN_MASK_MAX_SEQ tokens; it takes no logit cap, sinks or value width of its own: those (and
-  longer packed rows) go to the blockwise kernel, which takes them all and never builds a
-  [T x T] tensor. `xla` computes the scores whole (short sequences, the CPU).
+  cuDNN's fused kernel takes a causal window, packed documents as a [B, 1, T, T] mask up to
+  CUDNN_MASK_MAX_SEQ tokens, sinks and a value width of its own (not beside documents); it takes
+  no logit cap: those layers (and longer packed rows) go to the blockwise kernel, which takes them
+  all and never builds a [T x T] tensor. `xla` computes the scores whole (short sequences, the
+  CPU).
   """
   impl = layer_kernel(implementation, seq=q_BxTxNxH.shape[1], packed=segments_BxT is not None,
                       softcap=softcap_ is not None, sinks=sinks_N is not None,
                       same_widths=v_BxSxKxV.shape[-1] == q_BxTxNxH.shape[-1])
+  if impl == "cudnn" and (sinks_N is not None or v_BxSxKxV.shape[-1] != q_BxTxNxH.shape[-1]):
+    scale = 1.0 / math.sqrt(q_BxTxNxH.shape[-1]) if scale is None else scale
+    return attention.cudnn_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, scale=scale, window=window,
+                                     sinks_N=sinks_N)
   if impl in ("cudnn", "cudnn-mask"):
     return fused_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, segments_BxT, window=window,
                            scale=scale)
