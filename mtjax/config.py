@@ -182,6 +182,7 @@ class ModelConfig:
   qk_norm_scope: Literal["head", "all"] = "head"  # over each head's channels, or over the whole projection (OLMo 2)
   layer_types: tuple[LayerType, ...] | None = None  # each layer's attention: full, or sliding (a window of sliding_window tokens); None: all full
   sliding_window: int | None = None  # tokens a sliding layer's query sees, itself included
+  nope_layers: tuple[int, ...] = ()  # layers whose attention applies no rotary embedding (NoPE: SmolLM3, Llama 4's and Cohere2's global layers)
   attn_softcap: float | None = None  # attention logits capped as c * tanh(s / c) (Gemma 2)
   query_scale: float | None = None  # the attention logits' scale; None: 1 / sqrt(head_dim)
   attention_sinks: bool = False  # a learned logit per head joins each softmax (GPT-OSS)
@@ -228,6 +229,13 @@ class ModelConfig:
                           f"{self.layers} layers")
       if "sliding" in self.layer_types and self.sliding_window is None:
         raise ConfigError("model.layer_types: sliding layers need model.sliding_window")
+    bad = [i for i in self.nope_layers if not 0 <= i < self.layers]
+    if bad:
+      raise ConfigError(f"model.nope_layers: {bad[0]} is not a layer index (model.layers "
+                        f"{self.layers})")
+    if self.nope_layers and self.mla is not None:
+      raise ConfigError("model.nope_layers: multi-head latent attention always rotates its RoPE "
+                        "channels")
     rope = self.rope
     if rope.scaling == "longrope":
       half = self.rotary_dim // 2
@@ -256,6 +264,9 @@ class ModelConfig:
 
   def layer_type(self, i: int) -> str:
     return "full" if self.layer_types is None else self.layer_types[i]
+
+  def uses_rope(self, i: int) -> bool:
+    return i not in self.nope_layers
 
   def is_moe_layer(self, i: int) -> bool:
     m = self.moe

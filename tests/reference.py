@@ -62,7 +62,7 @@ def linear(x, p):
   return y
 
 
-def attention(x, p, cfg, positions=None, segments=None):
+def attention(x, p, cfg, positions=None, segments=None, rotary=True):
   B, T, _ = x.shape
   H, K, hd = cfg.heads, cfg.n_kv_heads, cfg.dim_per_head
   q = linear(x, p["q"]).reshape(B, T, H, hd)
@@ -70,7 +70,8 @@ def attention(x, p, cfg, positions=None, segments=None):
   if getattr(cfg, "qk_norm", False):
     q = rmsnorm4(q, p["q_norm"]["scale"], cfg.norm_eps)
     k = rmsnorm4(k, p["k_norm"]["scale"], cfg.norm_eps)
-  q, k = rope(q, cfg, positions), rope(k, cfg, positions)
+  if rotary:
+    q, k = rope(q, cfg, positions), rope(k, cfg, positions)
   v = linear(x, p["v"]).reshape(B, T, K, hd)
   k = jnp.repeat(k, H // K, axis=2)
   v = jnp.repeat(v, H // K, axis=2)
@@ -92,9 +93,9 @@ def rmsnorm4(x, scale, eps):
   return (xf / jnp.sqrt(var + eps)).astype(x.dtype) * scale.astype(x.dtype)[None, None, None, :]
 
 
-def block(x, p, cfg, positions=None, segments=None):
+def block(x, p, cfg, positions=None, segments=None, rotary=True):
   h = x + attention(rmsnorm(x, p["attn_norm"]["scale"], cfg.norm_eps), p["attn"], cfg, positions,
-                    segments)
+                    segments, rotary)
   m = rmsnorm(h, p["mlp_norm"]["scale"], cfg.norm_eps)
   mp = p["mlp"]
   return h + linear(jax.nn.silu(linear(m, mp["gate"])) * linear(m, mp["up"]), mp["down"])
@@ -114,8 +115,8 @@ def token_logps(params, inputs, targets, cfg, dtype=jnp.float32, positions=None,
   """Each target's log-prob under the whole model, [B, T]."""
   cast = jax.tree.map(lambda a: a.astype(dtype), params)
   x = cast["embed"]["table"][inputs]
-  for p in cast["blocks"]:
-    x = block(x, p, cfg, positions, segments)
+  for i, p in enumerate(cast["blocks"]):
+    x = block(x, p, cfg, positions, segments, i not in getattr(cfg, "nope_layers", ()))
   hp = cast["head"]
   x = rmsnorm(x, hp["norm"]["scale"], cfg.norm_eps)
   w = cast["embed"]["table"].T if cfg.tie_embeddings else hp["out"]

@@ -43,6 +43,11 @@ def configs(draw):
                qkv_bias=draw(hst.booleans()),
                rope_scaling=draw(hst.sampled_from(["none", "linear", "llama3"])),
                rope_factor=2.0, rope_original_max_len=16)
+  # NoPE layers: a kind of their own, compiled apart from the rotary ones. Not with q/k/v biases:
+  # without RoPE the softmax is exactly shift-invariant in the keys, so the k bias's gradient is
+  # zero and both sides hold only rounding noise, which no relative bound can compare.
+  if not model["qkv_bias"]:
+    model["nope_layers"] = tuple(draw(hst.sets(hst.integers(0, model["layers"] - 1), max_size=2)))
   groups = model["layers"] + 2
   n_state = draw(hst.integers(0, groups))  # tiered placements: device, stream, host groups
   accum = draw(hst.sampled_from([k for k in (1, 2, 4) if batch % k == 0]))  # passes per step

@@ -37,17 +37,19 @@ def packed_ctx(B, T, seed):
 
 @given(heads=hst.sampled_from([2, 4, 8]), kv=hst.sampled_from([1, 2]), bias=hst.booleans(),
        scaling=hst.sampled_from(["none", "linear", "llama3"]), T=hst.sampled_from([1, 7, 16]),
-       qk_norm=hst.booleans(), packed=hst.booleans(), impl=hst.sampled_from(["xla", "blockwise"]))
-def test_block_equals_naive_reference(heads, kv, bias, scaling, T, qk_norm, packed, impl):
+       qk_norm=hst.booleans(), packed=hst.booleans(), impl=hst.sampled_from(["xla", "blockwise"]),
+       rotary=hst.booleans())
+def test_block_equals_naive_reference(heads, kv, bias, scaling, T, qk_norm, packed, impl, rotary):
   cfg = model_cfg(heads=heads, kv_heads=kv, head_dim=8, qkv_bias=bias, qk_norm=qk_norm,
                   rope=config.RopeConfig(scaling=scaling, factor=4.0, original_max_len=8))
   _, p = random_block(cfg)
   x = jax.random.normal(jax.random.key(1), (2, T, cfg.hidden))
   pos, seg = packed_ctx(2, T, T) if packed else (None, None)
   ctx = layers.Ctx(jnp.asarray(pos), jnp.asarray(seg)) if packed else None
-  got, aux = block_lib.Block(cfg, implementation=impl).apply({"params": p}, x, ctx)
+  kind = layers.BlockKind(rope=rotary)  # rotary False: a NoPE layer
+  got, aux = block_lib.Block(cfg, kind, implementation=impl).apply({"params": p}, x, ctx)
   assert aux == {}  # a dense block has no auxiliary sums
-  want = ref.block(x, p, cfg, pos, seg)
+  want = ref.block(x, p, cfg, pos, seg, rotary)
   assert_close(got, want, name="block output")
 
 

@@ -38,7 +38,7 @@ class Block(nn.Module):
     if cfg.mla is not None:
       self.attn = mla.LatentAttention(cfg, self.kind.layer_type, self.implementation)
     else:
-      self.attn = Attention(cfg, self.kind.layer_type, self.implementation)
+      self.attn = Attention(cfg, self.kind.layer_type, self.implementation, self.kind.rope)
     if self.kind.moe:
       self.mlp = moe.MoE(cfg, self.moe_impl)
     else:

@@ -28,14 +28,16 @@ class BlockKind:
   """What distinguishes one layer kind from another: one compiled executable per kind."""
   layer_type: str = "full"  # full attention, or a sliding window
   moe: bool = False  # a mixture-of-experts feed-forward instead of the dense MLP
+  rope: bool = True  # the attention rotates q and k (False: NoPE)
 
   @property
   def name(self) -> str:
-    return "block" + ("_sliding" if self.layer_type == "sliding" else "") + ("_moe" if self.moe else "")
+    return ("block" + ("_sliding" if self.layer_type == "sliding" else "")
+            + ("" if self.rope else "_nope") + ("_moe" if self.moe else ""))
 
 
 def block_kind(cfg: ModelConfig, i: int) -> BlockKind:
-  return BlockKind(cfg.layer_type(i), cfg.is_moe_layer(i))
+  return BlockKind(cfg.layer_type(i), cfg.is_moe_layer(i), cfg.uses_rope(i))
 
 
 # ---------------------------------------------------------------------------------------- RoPE
@@ -285,11 +287,13 @@ class Attention(nn.Module):
   """Causal GQA attention with RoPE, in per-token (`qkv`, `out`) and sequence (`core`) parts.
 
   Options from the config: q/k/v (and o) biases, q/k norms per head or over the whole projection,
-  a sliding window for sliding layers, logit soft-capping, a logit scale, attention sinks.
+  a sliding window for sliding layers, logit soft-capping, a logit scale, attention sinks, no
+  rotary embedding (NoPE layers).
   """
   cfg: ModelConfig
   layer_type: str = "full"
   implementation: str | None = None
+  rotary: bool = True  # False: NoPE, q and k keep their positions' information out
 
   def setup(self):
     cfg = self.cfg
@@ -319,6 +323,8 @@ class Attention(nn.Module):
     q, k, v = q.reshape(B, T, H, hd), k.reshape(B, T, K, hd), v.reshape(B, T, K, hd)
     if cfg.qk_norm and cfg.qk_norm_scope == "head":
       q, k = self.q_norm(q), self.k_norm(k)
+    if not self.rotary:
+      return q, k, v
     return apply_rope(q, cos_BxTxR2, sin_BxTxR2), apply_rope(k, cos_BxTxR2, sin_BxTxR2), v
 
   def core(self, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segments_BxT):
