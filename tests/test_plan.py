@@ -314,11 +314,18 @@ def test_the_placement_search_equals_brute_force_over_every_pair(host_gib, devic
   assert got.device_state_layers < cfg.model.layers + 2  # not everything fits the device
 
 
+# The shapes shipped for one H200 with 1.5 TB of host RAM (configs/machines/h200_1.5tb.yaml).
+BIG_BOX = ("dense_120b.yaml", "qwen3_235b_a22b.yaml")
+
+
 def test_every_shipped_config_plans_for_the_h200_machine_file(tmp_path):
   """From this CPU machine: configs/machines/h200.yaml describes the GPU box; every shipped
-  config (finetune.yaml needs a Hugging Face model, given by the tiny one's shape here) plans."""
+  config (finetune.yaml needs a Hugging Face model, given by the tiny one's shape here) plans,
+  the 1.5 TB box's on its own file."""
   machine = plan.Machine.load(CONFIGS / "machines" / "h200.yaml")
   for f in sorted(CONFIGS.glob("*.yaml")):
+    if f.name in BIG_BOX:
+      continue
     over = ["data.source=synthetic", "train.eval_every=0"] if f.name == "finetune.yaml" else []
     p = machine.plan(config.load(f, over))
     assert p.fits_host and p.fits_device and math.isfinite(p.schedule_s), f.name
@@ -338,6 +345,40 @@ def test_every_shipped_config_plans_for_the_h200_machine_file(tmp_path):
                                       big.tiers.count("host"))
   assert summary["schedule_s"] == pytest.approx(big.schedule_s) and summary["roofline_s"] > 0
   assert summary["devices"] == 1
+
+
+def test_the_30b_class_fits_one_h200_box_at_int8_moments_and_not_at_fp32():
+  """Qwen2.5-32B's and Qwen3-30B-A3B's shapes (about 200 GB of fp32 weights and 8-bit moments)
+  over 141 GB of HBM and 125.8 GiB of host RAM: admitted, the state split between both; at fp32
+  moments (12 B/param) refused, naming the 8-bit moments as what would fit."""
+  machine = plan.Machine.load(CONFIGS / "machines" / "h200.yaml")
+  for name in ("qwen2.5_32b.yaml", "qwen3_30b_a3b.yaml"):
+    cfg = config.load(CONFIGS / name)
+    assert cfg.optim.state_dtype == "int8"
+    p = machine.plan(cfg)
+    assert p.fits_host and p.fits_device and math.isfinite(p.schedule_s), name
+    assert 0 < p.device_state_layers and p.tiers.count("host") > 0, name
+    # the state of every group is counted once, in one memory or the other
+    assert p.params == plan.count_params(cfg.model) > 30e9
+    with pytest.raises(plan.PlanError, match="does not fit") as refused:
+      plan.check(machine.plan(config.load(CONFIGS / name, ["optim.state_dtype=float32"])))
+    assert "optim.state_dtype=int8" in str(refused.value) or "together" in str(refused.value)
+
+
+def test_the_1_5tb_box_plans_a_120b_dense_shape_at_fp32_and_qwen3_235b_at_int8():
+  big = plan.Machine.load(CONFIGS / "machines" / "h200_1.5tb.yaml")
+  small = plan.Machine.load(CONFIGS / "machines" / "h200.yaml")
+  assert big.host_memory_gb == 1536 and big.rates() == dataclasses.replace(
+      small, host_memory_gb=1536.0).rates()  # only the host memory differs
+  for name, dtype, params in (("dense_120b.yaml", "float32", 120e9),
+                              ("qwen3_235b_a22b.yaml", "int8", 230e9)):
+    cfg = config.load(CONFIGS / name)
+    assert cfg.optim.state_dtype == dtype
+    p = big.plan(cfg)
+    assert p.fits_host and p.fits_device and math.isfinite(p.schedule_s), name
+    assert p.params > params and p.tiers.count("host") > 0
+    with pytest.raises(plan.PlanError, match="does not fit"):
+      plan.check(small.plan(cfg))
 
 
 def test_explicit_counts_win_and_a_bad_machine_file_is_one_line(tmp_path, capsys):
@@ -463,7 +504,7 @@ def test_bfloat16_moments_let_the_gpt_oss_20b_shape_fit_the_h200_machine(capsys)
   bf16 = machine.plan(config.load(CONFIGS / "gpt_oss_20b.yaml"))
   assert not fp32.fits_host and bf16.fits_host and bf16.fits_device
   assert bf16.host["optimizer state"] == pytest.approx(bf16.host["master weights"])
-  with pytest.raises(plan.PlanError, match="optim.state_dtype=bfloat16"):
+  with pytest.raises(plan.PlanError, match=r"optim.state_dtype=int8 \(or bfloat16\)"):
     plan.check(fp32)
   args = ["--config", str(CONFIGS / "gpt_oss_20b.yaml"), "--machine",
           str(CONFIGS / "machines" / "h200.yaml"), "optim.state_dtype=float32"]

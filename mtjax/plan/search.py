@@ -116,10 +116,11 @@ def make(cfg: config_lib.Config, host_limit: int | None = None, device_limit: in
   e = cfg.engine
   G = cfg.model.layers + 2
   plans: dict[tuple[int, int, int], Plan] = {}
-  queue = 4 if e.grad_queue == "auto" else e.grad_queue
+  # auto: the placement is searched at a queue of 4, or of the shallowest where nothing fits at 4
+  # (a slot holds a host group's fp32 gradient: the largest models need every byte of the host).
+  queues = (4, GRAD_QUEUES[0]) if e.grad_queue == "auto" else (e.grad_queue,)
 
-  def build(n_state, n_upd, q=None, optimistic=False):
-    q = queue if q is None else q
+  def build(n_state, n_upd, q, optimistic=False):
     key = (n_state, n_upd, q, optimistic)
     if key not in plans:  # the search compares pessimistic schedules; the chosen gets both
       plans[key] = _make(
@@ -131,7 +132,11 @@ def make(cfg: config_lib.Config, host_limit: int | None = None, device_limit: in
     full = build(p.device_state_layers, p.device_update_layers, p.grad_queue, optimistic=True)
     return dataclasses.replace(full, runner_up=p.runner_up)
 
-  plan = _place(cfg, build, G, host_limit, device_limit, rates)
+  for q in queues:
+    plan = _place(cfg, lambda n_state, n_upd, q=q: build(n_state, n_upd, q), G, host_limit,
+                  device_limit, rates)
+    if plan.fits_device and plan.fits_host and plan.fits_pool:
+      break
   if e.grad_queue != "auto":
     return final(plan)
   # A deeper queue lets the device run on while the host optimizer catches up, at 4 B/param of
@@ -178,7 +183,7 @@ def _saved_inputs(cfg: config_lib.Config, make_plan) -> Plan:
   for k in ACTIVATIONS_EVERY if e.activations_every == "auto" else (e.activations_every,):
     if e.activations != "auto":
       plan = with_(k, e.activations)
-      if plan.fits_device:
+      if fits(plan):  # both memories: re-computing more frees device bytes the placement can use
         return plan
       continue
     for n in range(-(-L // k) + 1):
@@ -290,10 +295,14 @@ def refuse_by_size(cfg: config_lib.Config, host_limit: int | None, device_limit:
   total = host_limit + (device_limit or 0) * devices_of(cfg)
   if per_param * at_least > total:
     params = count_params(m)
+    fused = (cfg.optim.name, cfg.optim.impl) == ("adamw", "fused")
+    int8 = 4 + dataclasses.replace(cfg.optim, state_dtype="int8").moment_bytes if fused else 0
+    smaller_state = (f" or optim.state_dtype=int8 ({int8:.2f} B/param)"
+                     if fused and per_param > int8 and int8 * at_least <= total else "")
     raise PlanError(f"does not fit in host memory and device memory together: the weights and "
                     f"optimizer state alone need at least {per_param * params / GiB:,.1f} GiB "
                     f"({params / 1e9:,.2f}B params x {per_param} B/param) where {total / GiB:,.1f} "
-                    f"GiB are available; use a smaller model")
+                    f"GiB are available; use a smaller model" + smaller_state)
 
 
 def devices_of(cfg: config_lib.Config, available: int | None = None) -> int:
@@ -642,8 +651,8 @@ def check(plan: Plan) -> None:
   """Raises PlanError (one line: the numbers and what to change) if the plan does not fit."""
   if not plan.fits_host:
     state = plan.host["master weights"] + plan.host["optimizer state"]
-    # fp32 AdamW moments (twice the weights' bytes): bfloat16 ones take half
-    halve = ("optim.state_dtype=bfloat16, "
+    # fp32 AdamW moments (twice the weights' bytes): 8-bit ones take a quarter, bfloat16 half
+    halve = ("optim.state_dtype=int8 (or bfloat16), "
              if plan.host["optimizer state"] > 1.5 * plan.host["master weights"] else "")
     raise PlanError(
         f"does not fit in host memory: needs {plan.host_total / GiB:.1f} GiB "
