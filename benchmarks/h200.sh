@@ -21,6 +21,8 @@
 #   defaults-large  default configs, plan beside measured: 8B at 8 x 2048 and 1 x 32768, the
 #                Qwen2.5-14B shape at 8 x 2048 (host RAM and GPU memory together: the H200 only)
 #   largest      the largest shape the planner fits: the Qwen2.5-14B width with 50 layers
+#   30b-moe      Qwen3-30B-A3B's shape at 8-bit moments, default placement (the H200 only)
+#   32b          Qwen2.5-32B's shape at 8-bit moments, default placement (the H200 only)
 #   qwen3-moe    a Qwen3-MoE of Qwen3-30B-A3B width, 4 layers, default placement; then DeepSpeed
 #                ZeRO-3 offload on transformers' Qwen3-MoE of the same shape (carry .whl)
 #   moe-kernels  the grouped expert matmul against a dense chain (benchmarks/moe_kernels.py)
@@ -43,7 +45,7 @@ if [ -z "$DRY" ] && ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site:$PWD
 fi
 OUT=$(realpath -m "${OUT:-benchmarks/results/h200}")
-TABLES="gpu-check sanity placement bench-b8 bench-b32 families recipes defaults defaults-large largest qwen3-moe moe-kernels
+TABLES="gpu-check sanity placement bench-b8 bench-b32 families recipes defaults defaults-large largest 30b-moe 32b qwen3-moe moe-kernels
 attention finetune context context-8b context-1m"
 quiet() { grep -v "bfc_allocator\|^W12\|^I12\|^E12"; }
 
@@ -117,6 +119,10 @@ table() {
       train "$dir" qwen14b 230 --config configs/qwen2.5_14b.yaml train.steps=5 ;;
     largest)
       train "$dir" qwen14b_50_layers 300 --config configs/qwen2.5_14b.yaml model.layers=50 train.steps=4 ;;
+    30b-moe)
+      train "$dir" qwen3_30b_a3b 560 --config configs/qwen3_30b_a3b.yaml train.steps=4 train.tensorboard=false ;;
+    32b)
+      train "$dir" qwen2.5_32b 560 --config configs/qwen2.5_32b.yaml train.steps=4 train.tensorboard=false ;;
     qwen3-moe)
       train "$dir" qwen3_moe 130 --config configs/qwen3_moe_4l.yaml train.steps=6
       if ls .whl/deepspeed-*.whl >/dev/null 2>&1 || [ -n "$DRY" ]; then
