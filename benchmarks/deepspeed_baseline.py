@@ -18,6 +18,11 @@ ships a source archive only: build a pure-Python wheel once with `bash benchmark
 --optimizer torch swaps DeepSpeed's compiled CPU Adam for torch's fused CPU AdamW (same ZeRO-3
 offload otherwise), for an image where the CPU Adam extension cannot be built.
 
+--system torch-all-gpu runs the same transformers model as plain PyTorch all on the GPU (no
+DeepSpeed): fp32 parameters and torch's fused AdamW in device memory, bf16 autocast, activation
+checkpointing only with --checkpointing; transformers' own kernels (sdpa attention, its grouped
+expert matmul where the family has one). The anchor mtjax's all-GPU-sized rows stand beside.
+
 --smoke builds configs/tiny.yaml's shape (and with --config another, e.g. a tiny mixture) in
 transformers on the CPU and takes two plain torch AdamW steps without DeepSpeed (which needs a GPU):
 the shape translation and the record, in seconds.
@@ -80,6 +85,10 @@ def main(argv=None) -> int:
   p.add_argument("--out", help="append the record to this JSON list")
   p.add_argument("--optimizer", choices=("ds", "torch"), default="ds",
                  help="ds: DeepSpeedCPUAdam (compiled at first use); torch: torch.optim.AdamW(fused)")
+  p.add_argument("--system", choices=("deepspeed", "torch-all-gpu"), default="deepspeed",
+                 help="deepspeed: ZeRO-3 with CPU offload; torch-all-gpu: plain PyTorch on the GPU")
+  p.add_argument("--checkpointing", action="store_true",
+                 help="torch-all-gpu: activation checkpointing (DeepSpeed's runs always use it)")
   p.add_argument("--smoke", action="store_true",
                  help="tiny shape, CPU, torch AdamW without DeepSpeed, in seconds")
   argv = sys.argv[1:] if argv is None else list(argv)
@@ -90,6 +99,8 @@ def main(argv=None) -> int:
   args, cfg = cli.parse_cli(p, argv)
   if args.smoke:
     return smoke(args, cfg)
+  if args.system == "torch-all-gpu":
+    return all_gpu(args, cfg)
   for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"),
                ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
     os.environ.setdefault(k, v)
@@ -136,6 +147,37 @@ def main(argv=None) -> int:
   return 0
 
 
+def all_gpu(args, cfg: config_lib.Config) -> int:
+  """Plain PyTorch on one GPU: fp32 master weights and AdamW state in device memory, bf16 compute."""
+  import torch
+  torch.manual_seed(0)
+  m, o = cfg.model, cfg.optim
+  model = hf_model(m, cfg.train.seq).cuda()
+  if args.checkpointing:
+    model.gradient_checkpointing_enable()
+  n_params = sum(q.numel() for q in model.parameters())
+  expected = plan.param_counts(m)["total"]
+  if n_params != expected:
+    print(f"warning: transformers' model has {n_params:,} parameters, mtjax's shape {expected:,}")
+  opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.b1, o.b2), eps=o.eps,
+                          weight_decay=o.weight_decay, fused=True)
+  bf16 = cfg.engine.compute_dtype == "bfloat16"
+  print(f"torch {torch.__version__}, plain PyTorch all on the GPU, bf16 autocast {bf16}, "
+        f"checkpointing {args.checkpointing}", flush=True)
+
+  def step(ids):
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+      out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    opt.step()
+    return out.loss.detach()
+
+  record = timed(args, cfg, step, n_params, "cuda", system="torch-all-gpu")
+  write(args, {**record, "optimizer": "AdamW(fused)", "checkpointing": args.checkpointing})
+  return 0
+
+
 def smoke(args, cfg: config_lib.Config) -> int:
   """The model and the record without DeepSpeed: plain torch AdamW on the CPU."""
   import torch
@@ -162,7 +204,8 @@ def smoke(args, cfg: config_lib.Config) -> int:
   return 0
 
 
-def timed(args, cfg: config_lib.Config, step, n_params: int, device: str) -> dict:
+def timed(args, cfg: config_lib.Config, step, n_params: int, device: str,
+          system: str = "deepspeed-zero3-offload") -> dict:
   """Median step time over `args.steps` after `args.warmup`, as a bench record."""
   import torch
   m, t = cfg.model, cfg.train
@@ -185,7 +228,7 @@ def timed(args, cfg: config_lib.Config, step, n_params: int, device: str) -> dic
   rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
   record = {
-      "system": "deepspeed-zero3-offload", "params": n_params, "hidden": m.hidden,
+      "system": system, "params": n_params, "hidden": m.hidden,
       "layers": m.layers, "batch": t.batch, "seq": t.seq, "step_s": step_s,
       "active_params": active, "tokens_per_s": tokens / step_s,
       "model_tflops": 6 * active * tokens / step_s / 1e12,
@@ -194,7 +237,7 @@ def timed(args, cfg: config_lib.Config, step, n_params: int, device: str) -> dic
       "host_opt_gparams_per_s": None, "gpu_idle_frac": None, "roofline_s": None, "loss": loss,
       "jax_version": None, "torch_version": torch.__version__,
       "device_memory_gb": cfg.engine.device_memory_gb}
-  print(f"deepspeed-zero3-offload: {step_s:.3f} s/step, {tokens / step_s:,.0f} tokens/s, "
+  print(f"{system}: {step_s:.3f} s/step, {tokens / step_s:,.0f} tokens/s, "
         f"{record['model_tflops']:.1f} model TFLOP/s, peak RSS {rss / 2**30:.1f} GiB "
         f"({record['host_bytes_per_param']:.1f} B/param)"
         + ("" if peak is None else f", device peak {peak:.1f} GiB"))
