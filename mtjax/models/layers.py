@@ -373,7 +373,8 @@ class MLP(nn.Module):
 
 
 class Embed(nn.Module):
-  """The token embedding; Gemma scales it by sqrt(hidden), rounded to the activations' dtype."""
+  """The token embedding; Gemma scales it by sqrt(hidden), Granite by its embedding multiplier,
+  rounded to the activations' dtype."""
   cfg: ModelConfig
   dtype: jnp.dtype = jnp.float32
 
@@ -385,16 +386,17 @@ class Embed(nn.Module):
     if self.cfg.pad_token_id is not None:  # its row gets no gradient (transformers' padding_idx)
       pad = (tokens_BxT == self.cfg.pad_token_id)[..., None]
       x = jnp.where(pad, jax.lax.stop_gradient(x), x)
-    return x * jnp.asarray(self.scale, self.dtype) if self.cfg.embed_scale else x
+    return x if self.scale == 1.0 else x * jnp.asarray(self.scale, self.dtype)
 
   @property
   def scale(self) -> float:
-    return math.sqrt(self.cfg.hidden) if self.cfg.embed_scale else 1.0
+    """What the embedding is multiplied by (the backward's factor too)."""
+    return (math.sqrt(self.cfg.hidden) if self.cfg.embed_scale else 1.0) * self.cfg.embed_multiplier
 
 
 class Head(nn.Module):
-  """Final RMSNorm and the LM head (soft-capped logits where the config says); with tied
-  embeddings the caller passes the embedding table."""
+  """Final RMSNorm and the LM head (logits divided by `logits_divisor`, soft-capped where the
+  config says); with tied embeddings the caller passes the embedding table."""
   cfg: ModelConfig
 
   def setup(self):
@@ -409,6 +411,8 @@ class Head(nn.Module):
   def logits(self, hn_NxD, table_VxD=None):
     w_DxV = table_VxD.T if self.cfg.tie_embeddings else self.out
     logits = hn_NxD @ w_DxV.astype(hn_NxD.dtype)
+    if self.cfg.logits_divisor != 1.0:  # Granite's logits_scaling
+      logits = logits / jnp.asarray(self.cfg.logits_divisor, logits.dtype)
     if self.cfg.final_softcap is None:
       return logits
     return softcap(logits.astype(jnp.float32), self.cfg.final_softcap)
