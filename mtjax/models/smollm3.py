@@ -15,7 +15,7 @@ from mtjax.models.common import Reader, base_config, layer_type_names, standard_
 # SmolLM3Config's defaults for keys save_pretrained may leave out.
 _DEFAULTS = dict(rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu",
                  rope_theta=2e6, no_rope_layer_interval=4, use_sliding_window=False,
-                 attention_bias=False, mlp_bias=False)
+                 attention_bias=False, mlp_bias=False, pad_token_id=128004)
 
 
 def _rotating(r: Reader, layers: int) -> list[bool]:
