@@ -103,6 +103,7 @@ class RopeConfig:
   attention_factor: float | None = None  # the cos/sin scaling; None: the rule's own
   truncate: bool = True  # yarn: round the ramp's edges to whole channels (GPT-OSS: false)
   partial: float = 1.0  # share of each head's channels RoPE rotates (partial_rotary_factor)
+  interleave: bool = False  # rotate channel pairs (2i, 2i + 1) instead of (i, i + R/2) (GLM-4)
   local_theta: float | None = None  # RoPE base of sliding layers, without scaling (Gemma 3)
 
   def __post_init__(self):
@@ -239,6 +240,9 @@ class ModelConfig:
     if bad:
       raise ConfigError(f"model.nope_layers: {bad[0]} is not a layer index (model.layers "
                         f"{self.layers})")
+    if self.rope.interleave and self.mla is not None:
+      raise ConfigError("model.rope.interleave: multi-head latent attention's pairs are "
+                        "model.mla.rope_interleave")
     if self.nope_layers and self.mla is not None:
       raise ConfigError("model.nope_layers: multi-head latent attention always rotates its RoPE "
                         "channels")

@@ -133,7 +133,7 @@ def apply_rope(x_BxTxNxH: jax.Array, cos_BxTxR2: jax.Array, sin_BxTxR2: jax.Arra
   """Rotates the first R channels (R/2 the tables' width) by the tables (fp32); the rest pass.
 
   Pairs are (i, i + R/2) of the R rotated channels, as transformers' rotate_half; `interleaved`
-  pairs (2i, 2i + 1) instead (DeepSeek's checkpoints).
+  pairs (2i, 2i + 1) instead (DeepSeek's checkpoints, GLM-4).
   """
   R = 2 * cos_BxTxR2.shape[-1]
   cos, sin = cos_BxTxR2[:, :, None, :], sin_BxTxR2[:, :, None, :]
@@ -325,7 +325,9 @@ class Attention(nn.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     if not self.rotary:
       return q, k, v
-    return apply_rope(q, cos_BxTxR2, sin_BxTxR2), apply_rope(k, cos_BxTxR2, sin_BxTxR2), v
+    il = cfg.rope.interleave
+    return (apply_rope(q, cos_BxTxR2, sin_BxTxR2, il), apply_rope(k, cos_BxTxR2, sin_BxTxR2, il),
+            v)
 
   def core(self, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segments_BxT):
     """Attention over the sequence: [B, T, N * H], before the output projection."""
