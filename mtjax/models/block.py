@@ -62,9 +62,12 @@ class Block(nn.Module):
     return self._residual(h, self.post_mlp_norm(m) if post else m), aux
 
   def _residual(self, x_BxTxD, y_BxTxD):
-    """x + y, y multiplied first by the config's residual multiplier (Granite)."""
+    """x + y, y multiplied first by the config's residual multiplier (Granite: in fp32, rounded
+    once, as torch multiplies a bf16 tensor by a Python float)."""
     rm = self.cfg.residual_multiplier
-    return x_BxTxD + (y_BxTxD if rm == 1.0 else y_BxTxD * jnp.asarray(rm, y_BxTxD.dtype))
+    if rm != 1.0:
+      y_BxTxD = (y_BxTxD.astype(jnp.float32) * rm).astype(y_BxTxD.dtype)
+    return x_BxTxD + y_BxTxD
 
   def __call__(self, x_BxTxD, ctx: Ctx | None = None):
     B, T, _ = x_BxTxD.shape

@@ -375,8 +375,8 @@ class MLP(nn.Module):
 
 
 class Embed(nn.Module):
-  """The token embedding; Gemma scales it by sqrt(hidden), Granite by its embedding multiplier,
-  rounded to the activations' dtype."""
+  """The token embedding; Gemma scales it by sqrt(hidden) rounded to the activations' dtype,
+  Granite by its embedding multiplier."""
   cfg: ModelConfig
   dtype: jnp.dtype = jnp.float32
 
@@ -388,11 +388,15 @@ class Embed(nn.Module):
     if self.cfg.pad_token_id is not None:  # its row gets no gradient (transformers' padding_idx)
       pad = (tokens_BxT == self.cfg.pad_token_id)[..., None]
       x = jnp.where(pad, jax.lax.stop_gradient(x), x)
-    return x if self.scale == 1.0 else x * jnp.asarray(self.scale, self.dtype)
+    if self.cfg.embed_scale:  # Gemma rounds its normaliser to the activations' dtype
+      x = x * jnp.asarray(math.sqrt(self.cfg.hidden), self.dtype)
+    if self.cfg.embed_multiplier != 1.0:  # Granite: in fp32, rounded once
+      x = (x.astype(jnp.float32) * self.cfg.embed_multiplier).astype(self.dtype)
+    return x
 
   @property
   def scale(self) -> float:
-    """What the embedding is multiplied by (the backward's factor too)."""
+    """What the embedding is multiplied by (the backward's factor)."""
     return (math.sqrt(self.cfg.hidden) if self.cfg.embed_scale else 1.0) * self.cfg.embed_multiplier
 
 
@@ -413,8 +417,8 @@ class Head(nn.Module):
   def logits(self, hn_NxD, table_VxD=None):
     w_DxV = table_VxD.T if self.cfg.tie_embeddings else self.out
     logits = hn_NxD @ w_DxV.astype(hn_NxD.dtype)
-    if self.cfg.logits_divisor != 1.0:  # Granite's logits_scaling
-      logits = logits / jnp.asarray(self.cfg.logits_divisor, logits.dtype)
+    if self.cfg.logits_divisor != 1.0:  # Granite's logits_scaling, in fp32 as the loss is
+      logits = logits.astype(jnp.float32) / self.cfg.logits_divisor
     if self.cfg.final_softcap is None:
       return logits
     return softcap(logits.astype(jnp.float32), self.cfg.final_softcap)
