@@ -103,6 +103,7 @@ class RopeConfig:
   attention_factor: float | None = None  # the cos/sin scaling; None: the rule's own
   truncate: bool = True  # yarn: round the ramp's edges to whole channels (GPT-OSS: false)
   partial: float = 1.0  # share of each head's channels RoPE rotates (partial_rotary_factor)
+  interleave: bool = False  # rotate channel pairs (2i, 2i + 1) instead of (i, i + R/2) (GLM-4)
   local_theta: float | None = None  # RoPE base of sliding layers, without scaling (Gemma 3)
 
   def __post_init__(self):
@@ -196,6 +197,9 @@ class ModelConfig:
   swiglu_alpha: float = 1.702  # swiglu_clamped: gate * sigmoid(alpha * gate)
   embed_scale: bool = False  # the embedding is multiplied by sqrt(hidden) (Gemma)
   final_softcap: float | None = None  # final logits capped as c * tanh(x / c) (Gemma 2)
+  embed_multiplier: float = 1.0  # the embedding's output is multiplied by this (Granite's embedding_multiplier)
+  residual_multiplier: float = 1.0  # each sub-layer's output is multiplied by this before its residual add (Granite)
+  logits_divisor: float = 1.0  # the LM head's logits are divided by this (Granite's logits_scaling)
   moe: MoEConfig | None = None  # a mixture-of-experts feed-forward in the MoE layers
   mla: MLAConfig | None = None  # multi-head latent attention instead of GQA (DeepSeek)
   init_std: float = 0.02  # std of the normal init of every matrix
@@ -206,6 +210,9 @@ class ModelConfig:
       if getattr(self, key) is not None and getattr(self, key) <= 0:
         raise ConfigError(f"model.{key}: {getattr(self, key)} must be > 0 or null")
     for key in ("init_std", "norm_eps", "swiglu_limit", "swiglu_alpha"):
+      if getattr(self, key) <= 0:
+        raise ConfigError(f"model.{key}: {getattr(self, key)} must be > 0")
+    for key in ("embed_multiplier", "residual_multiplier", "logits_divisor"):
       if getattr(self, key) <= 0:
         raise ConfigError(f"model.{key}: {getattr(self, key)} must be > 0")
     for key in ("attn_softcap", "query_scale", "final_softcap"):
@@ -233,6 +240,9 @@ class ModelConfig:
     if bad:
       raise ConfigError(f"model.nope_layers: {bad[0]} is not a layer index (model.layers "
                         f"{self.layers})")
+    if self.rope.interleave and self.mla is not None:
+      raise ConfigError("model.rope.interleave: multi-head latent attention's pairs are "
+                        "model.mla.rope_interleave")
     if self.nope_layers and self.mla is not None:
       raise ConfigError("model.nope_layers: multi-head latent attention always rotates its RoPE "
                         "channels")

@@ -28,17 +28,22 @@ def router_calls(model, ids):
 
 def check_routing(directory, cfg, params):
   """mtjax routes the inputs of transformers' routers (every token of every MoE layer) to the
-  same experts with the same weights."""
+  same experts with the same weights (a score correction bias included)."""
   model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
                                                             attn_implementation="eager")
   calls = router_calls(model, parity.token_ids(cfg.vocab_size))
   assert [i for i, _, _ in calls] == [i for i in range(cfg.layers) if cfg.is_moe_layer(i)]
   for i, x, (logits, weights, experts) in calls:
-    got_logits = x.numpy() @ np.asarray(params["blocks"][i]["mlp"]["router"]["kernel"])
+    mlp = params["blocks"][i]["mlp"]
+    got_logits = x.numpy().reshape(-1, cfg.hidden) @ np.asarray(mlp["router"]["kernel"])
     assert_close(got_logits, logits.numpy(), name=f"layer {i} router logits")
-    got_w, got_e = moe.route(cfg, jnp.asarray(got_logits))
-    assert np.array_equal(np.asarray(got_e), experts.numpy()), i
-    assert_close(got_w, weights.numpy(), name=f"layer {i} routing weights")
+    got_w, got_e = moe.route(cfg, jnp.asarray(got_logits), mlp.get("e_bias"))
+    # each token's choices in expert order (a router's top-k may come unsorted: GLM-4.5's)
+    mine, theirs = np.argsort(got_e, axis=-1), np.argsort(experts.numpy(), axis=-1)
+    assert np.array_equal(np.take_along_axis(np.asarray(got_e), mine, -1),
+                          np.take_along_axis(experts.numpy(), theirs, -1)), i
+    assert_close(np.take_along_axis(np.asarray(got_w), mine, -1),
+                 np.take_along_axis(weights.numpy(), theirs, -1), name=f"layer {i} routing weights")
 
 
 def check_aux_loss(cfg, params, want: parity.TorchResult, coef: float):

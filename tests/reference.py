@@ -94,11 +94,12 @@ def rmsnorm4(x, scale, eps):
 
 
 def block(x, p, cfg, positions=None, segments=None, rotary=True):
-  h = x + attention(rmsnorm(x, p["attn_norm"]["scale"], cfg.norm_eps), p["attn"], cfg, positions,
-                    segments, rotary)
+  rm = getattr(cfg, "residual_multiplier", 1.0)
+  h = x + rm * attention(rmsnorm(x, p["attn_norm"]["scale"], cfg.norm_eps), p["attn"], cfg,
+                         positions, segments, rotary)
   m = rmsnorm(h, p["mlp_norm"]["scale"], cfg.norm_eps)
   mp = p["mlp"]
-  return h + linear(jax.nn.silu(linear(m, mp["gate"])) * linear(m, mp["up"]), mp["down"])
+  return h + rm * linear(jax.nn.silu(linear(m, mp["gate"])) * linear(m, mp["up"]), mp["down"])
 
 
 def loss_fn(params, inputs, targets, cfg, dtype=jnp.float32, positions=None, segments=None,
@@ -114,13 +115,13 @@ def loss_fn(params, inputs, targets, cfg, dtype=jnp.float32, positions=None, seg
 def token_logps(params, inputs, targets, cfg, dtype=jnp.float32, positions=None, segments=None):
   """Each target's log-prob under the whole model, [B, T]."""
   cast = jax.tree.map(lambda a: a.astype(dtype), params)
-  x = cast["embed"]["table"][inputs]
+  x = cast["embed"]["table"][inputs] * getattr(cfg, "embed_multiplier", 1.0)
   for i, p in enumerate(cast["blocks"]):
     x = block(x, p, cfg, positions, segments, i not in getattr(cfg, "nope_layers", ()))
   hp = cast["head"]
   x = rmsnorm(x, hp["norm"]["scale"], cfg.norm_eps)
   w = cast["embed"]["table"].T if cfg.tie_embeddings else hp["out"]
-  logits = (x @ w).astype(jnp.float32)
+  logits = (x @ w).astype(jnp.float32) / getattr(cfg, "logits_divisor", 1.0)
   logp = jax.nn.log_softmax(logits, axis=-1)
   return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 

@@ -43,6 +43,8 @@ def configs(draw):
                qkv_bias=draw(hst.booleans()),
                rope_scaling=draw(hst.sampled_from(["none", "linear", "llama3"])),
                rope_factor=2.0, rope_original_max_len=16)
+  if draw(hst.booleans()):  # Granite's scalars: the embedding's backward, residuals, loss chunks
+    model.update(embed_multiplier=2.0, residual_multiplier=0.7, logits_divisor=3.0)
   # NoPE layers: a kind of their own, compiled apart from the rotary ones. Not with q/k/v biases:
   # without RoPE the softmax is exactly shift-invariant in the keys, so the k bias's gradient is
   # zero and both sides hold only rounding noise, which no relative bound can compare.

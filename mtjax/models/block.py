@@ -53,13 +53,21 @@ class Block(nn.Module):
     and the feed-forward's auxiliary sums over the tokens `valid_BxT` marks."""
     post = self.cfg.norm_position != "pre"
     o = self.attn.out(a_BxTxE)
-    h = x_BxTxD + (self.post_attn_norm(o) if post else o)
+    h = self._residual(x_BxTxD, self.post_attn_norm(o) if post else o)
     m_in = h if self.cfg.norm_position == "post" else self.mlp_norm(h)
     if self.kind.moe:
       m, aux = self.mlp(m_in, valid_BxT)
     else:
       m, aux = self.mlp(m_in), {}
-    return h + (self.post_mlp_norm(m) if post else m), aux
+    return self._residual(h, self.post_mlp_norm(m) if post else m), aux
+
+  def _residual(self, x_BxTxD, y_BxTxD):
+    """x + y, y multiplied first by the config's residual multiplier (Granite: in fp32, rounded
+    once, as torch multiplies a bf16 tensor by a Python float)."""
+    rm = self.cfg.residual_multiplier
+    if rm != 1.0:
+      y_BxTxD = (y_BxTxD.astype(jnp.float32) * rm).astype(y_BxTxD.dtype)
+    return x_BxTxD + y_BxTxD
 
   def __call__(self, x_BxTxD, ctx: Ctx | None = None):
     B, T, _ = x_BxTxD.shape

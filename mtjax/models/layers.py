@@ -133,7 +133,7 @@ def apply_rope(x_BxTxNxH: jax.Array, cos_BxTxR2: jax.Array, sin_BxTxR2: jax.Arra
   """Rotates the first R channels (R/2 the tables' width) by the tables (fp32); the rest pass.
 
   Pairs are (i, i + R/2) of the R rotated channels, as transformers' rotate_half; `interleaved`
-  pairs (2i, 2i + 1) instead (DeepSeek's checkpoints).
+  pairs (2i, 2i + 1) instead (DeepSeek's checkpoints, GLM-4).
   """
   R = 2 * cos_BxTxR2.shape[-1]
   cos, sin = cos_BxTxR2[:, :, None, :], sin_BxTxR2[:, :, None, :]
@@ -325,7 +325,9 @@ class Attention(nn.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     if not self.rotary:
       return q, k, v
-    return apply_rope(q, cos_BxTxR2, sin_BxTxR2), apply_rope(k, cos_BxTxR2, sin_BxTxR2), v
+    il = cfg.rope.interleave
+    return (apply_rope(q, cos_BxTxR2, sin_BxTxR2, il), apply_rope(k, cos_BxTxR2, sin_BxTxR2, il),
+            v)
 
   def core(self, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segments_BxT):
     """Attention over the sequence: [B, T, N * H], before the output projection."""
@@ -373,7 +375,8 @@ class MLP(nn.Module):
 
 
 class Embed(nn.Module):
-  """The token embedding; Gemma scales it by sqrt(hidden), rounded to the activations' dtype."""
+  """The token embedding; Gemma scales it by sqrt(hidden) rounded to the activations' dtype,
+  Granite by its embedding multiplier."""
   cfg: ModelConfig
   dtype: jnp.dtype = jnp.float32
 
@@ -385,16 +388,21 @@ class Embed(nn.Module):
     if self.cfg.pad_token_id is not None:  # its row gets no gradient (transformers' padding_idx)
       pad = (tokens_BxT == self.cfg.pad_token_id)[..., None]
       x = jnp.where(pad, jax.lax.stop_gradient(x), x)
-    return x * jnp.asarray(self.scale, self.dtype) if self.cfg.embed_scale else x
+    if self.cfg.embed_scale:  # Gemma rounds its normaliser to the activations' dtype
+      x = x * jnp.asarray(math.sqrt(self.cfg.hidden), self.dtype)
+    if self.cfg.embed_multiplier != 1.0:  # Granite: in fp32, rounded once
+      x = (x.astype(jnp.float32) * self.cfg.embed_multiplier).astype(self.dtype)
+    return x
 
   @property
   def scale(self) -> float:
-    return math.sqrt(self.cfg.hidden) if self.cfg.embed_scale else 1.0
+    """What the embedding is multiplied by (the backward's factor)."""
+    return (math.sqrt(self.cfg.hidden) if self.cfg.embed_scale else 1.0) * self.cfg.embed_multiplier
 
 
 class Head(nn.Module):
-  """Final RMSNorm and the LM head (soft-capped logits where the config says); with tied
-  embeddings the caller passes the embedding table."""
+  """Final RMSNorm and the LM head (logits divided by `logits_divisor`, soft-capped where the
+  config says); with tied embeddings the caller passes the embedding table."""
   cfg: ModelConfig
 
   def setup(self):
@@ -409,6 +417,8 @@ class Head(nn.Module):
   def logits(self, hn_NxD, table_VxD=None):
     w_DxV = table_VxD.T if self.cfg.tie_embeddings else self.out
     logits = hn_NxD @ w_DxV.astype(hn_NxD.dtype)
+    if self.cfg.logits_divisor != 1.0:  # Granite's logits_scaling, in fp32 as the loss is
+      logits = logits.astype(jnp.float32) / self.cfg.logits_divisor
     if self.cfg.final_softcap is None:
       return logits
     return softcap(logits.astype(jnp.float32), self.cfg.final_softcap)
