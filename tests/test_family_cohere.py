@@ -49,9 +49,11 @@ def _serial(cfg, params):
   return dataclasses.replace(cfg, parallel_block=False), {**params, "blocks": blocks}
 
 
-def _moves(cfg, params, other_cfg, other_params):
-  ids = parity.token_ids(cfg.vocab_size)
-  moved = errors(parity.forward(other_cfg, other_params, ids), parity.forward(cfg, params, ids))[0]
+def _moves(base, other_cfg, other_params):
+  """The logits of another config and parameters move beyond 100 x the parity bound from `base`
+  (parity.feature_matters for a change the parameters follow)."""
+  ids = parity.token_ids(other_cfg.vocab_size)
+  moved = errors(parity.forward(other_cfg, other_params, ids), base)[0]
   assert moved > 100 * REL_L2, moved
 
 
@@ -64,9 +66,10 @@ def test_cohere_equals_transformers(cohere, tmp_path):
   assert cfg.tie_embeddings and cfg.norm_eps == 1e-4 and cfg.pad_token_id == 0
   assert params["blocks"][0]["attn"]["q_norm"]["scale"].shape == (4, 8)
   # (norm_kind's own check is Command R7B's: RMSNorm has no per-head weights.)
+  base = parity.forward(cfg, params, parity.token_ids(cfg.vocab_size))
   for change in (dict(logit_scale=1.0), dict(rope=dict(interleaved=False)), dict(qk_norm=False)):
-    parity.feature_matters(cfg, params, **change)
-  _moves(cfg, params, *_serial(cfg, params))
+    parity.feature_matters(cfg, params, base=base, **change)
+  _moves(base, *_serial(cfg, params))
   parity.pieces_cover_every_parameter(cfg)
   parity.check_export(cfg, params, tmp_path / "out")  # the family's own config.json
   parity.check_adamw_step(cohere, eps=1e-4)
@@ -78,9 +81,10 @@ def test_cohere2_equals_transformers(cohere2, tmp_path):
   assert (cfg.family, cfg.layer_types, cfg.sliding_window, cfg.nope_layers) == (
       "cohere2", ("sliding", "full"), 4, (1,))
   assert not cfg.qk_norm and cfg.parallel_block and cfg.rope.interleaved
+  base = parity.forward(cfg, params, parity.token_ids(cfg.vocab_size))
   for change in (dict(nope_layers=()), dict(layer_types=None), dict(norm_kind="rms")):
-    parity.feature_matters(cfg, params, **change)
-  _moves(cfg, params, *_serial(cfg, params))
+    parity.feature_matters(cfg, params, base=base, **change)
+  _moves(base, *_serial(cfg, params))
   parity.pieces_cover_every_parameter(cfg)
   parity.check_export(cfg, params, tmp_path / "out")
   with pytest.raises(FamilyError, match=r"nope_layers=\[\] unsupported by Cohere2ForCausalLM"):
