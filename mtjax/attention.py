@@ -130,6 +130,17 @@ def dense_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxHv: jax.
   return out_BxTxKxGxHv.reshape(B, T, N, Hv).astype(q_BxTxNxH.dtype)
 
 
+def chunk_segments(positions_BxT: jax.Array, chunk: int,
+                   segments_BxT: jax.Array | None = None) -> jax.Array:
+  """Ids under which attention keeps to chunks of `chunk` positions (position // chunk) within
+  each document: chunked local attention (Llama 4) as document masking, which every kernel
+  takes."""
+  chunk_BxT = positions_BxT.astype(jnp.int32) // chunk
+  if segments_BxT is None:
+    return chunk_BxT
+  return segments_BxT.astype(jnp.int32) * (jnp.max(chunk_BxT) + 1) + chunk_BxT
+
+
 class _Cfg(NamedTuple):
   """Static settings: hashable, so they ride along as the custom_vjp's nondiff argument."""
   causal: bool

@@ -40,6 +40,7 @@ class MoEConfig:
   aux_loss_coef: float = 0.0  # weight of the load-balancing loss in the training loss
   z_loss_coef: float = 0.0  # weight of the router z-loss (mean squared logsumexp of the logits)
   capacity_factor: float | None = None  # None: dropless; else each expert takes at most factor x (tokens x k / E) and the rest are dropped (and counted)
+  weight_inputs: bool = False  # the routing weight scales each chosen expert's input instead of its output (Llama 4)
 
   def __post_init__(self):
     _positive(self, "experts", "experts_per_token", "expert_ffn", "groups", "topk_groups", "every",
@@ -103,7 +104,7 @@ class RopeConfig:
   attention_factor: float | None = None  # the cos/sin scaling; None: the rule's own
   truncate: bool = True  # yarn: round the ramp's edges to whole channels (GPT-OSS: false)
   partial: float = 1.0  # share of each head's channels RoPE rotates (partial_rotary_factor)
-  interleave: bool = False  # rotate channel pairs (2i, 2i + 1) instead of (i, i + R/2) (GLM-4)
+  interleave: bool = False  # rotate channel pairs (2i, 2i + 1) instead of (i, i + R/2) (GLM-4, Cohere, Llama 4)
   local_theta: float | None = None  # RoPE base of sliding layers, without scaling (Gemma 3)
 
   def __post_init__(self):
@@ -158,7 +159,7 @@ def derived_widths(model: dict) -> dict:
     m["head_dim"] = None
   return m
 
-LayerType = Literal["full", "sliding"]
+LayerType = Literal["full", "sliding", "chunked"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,17 +181,23 @@ class ModelConfig:
   qkv_bias: bool = False  # bias on q/k/v projections (Qwen2, GPT-OSS)
   o_bias: bool = False  # bias on the attention output projection (GPT-OSS)
   qk_norm: bool = False  # RMSNorm on q and k before RoPE (Qwen3, Gemma 3, OLMo 2)
-  qk_norm_scope: Literal["head", "all"] = "head"  # over each head's channels, or over the whole projection (OLMo 2)
-  layer_types: tuple[LayerType, ...] | None = None  # each layer's attention: full, or sliding (a window of sliding_window tokens); None: all full
+  qk_norm_scope: Literal["head", "all", "each_head"] = "head"  # over each head's channels, over the whole projection (OLMo 2), or over each head's channels with a weight per head (Cohere)
+  qk_l2_norm: bool = False  # q and k RMS-normalised without a weight after RoPE, in RoPE layers only (Llama 4's use_qk_norm)
+  layer_types: tuple[LayerType, ...] | None = None  # each layer's attention: full, sliding (a window of sliding_window tokens) or chunked (within chunks of attention_chunk tokens); None: all full
   sliding_window: int | None = None  # tokens a sliding layer's query sees, itself included
+  attention_chunk: int | None = None  # a chunked layer's query sees only keys of its chunk of this many positions (Llama 4's attention_chunk_size)
   nope_layers: tuple[int, ...] = ()  # layers whose attention applies no rotary embedding (NoPE: SmolLM3, Llama 4's and Cohere2's global layers)
   attn_softcap: float | None = None  # attention logits capped as c * tanh(s / c) (Gemma 2)
   query_scale: float | None = None  # the attention logits' scale; None: 1 / sqrt(head_dim)
+  temperature_floor: int | None = None  # NoPE layers scale q by log(floor((position + 1) / this) + 1) * temperature_scale + 1 (Llama 4's attn_temperature_tuning, floor_scale); None: no scaling
+  temperature_scale: float = 0.1  # see temperature_floor (Llama 4's attn_scale)
   attention_sinks: bool = False  # a learned logit per head joins each softmax (GPT-OSS)
   rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)  # rotary position embeddings (model.rope)
-  norm_eps: float = 1e-5  # RMSNorm epsilon
+  norm_eps: float = 1e-5  # the norms' epsilon
+  norm_kind: Literal["rms", "layer"] = "rms"  # RMSNorm, or LayerNorm without a bias (mean subtracted: Cohere)
   norm_offset: bool = False  # norms scale by (1 + w), w stored and initialised at 0 (Gemma)
   norm_position: Literal["pre", "sandwich", "post"] = "pre"  # norms before each sub-layer (Llama), before and after (Gemma), after only (OLMo 2)
+  parallel_block: bool = False  # attention and MLP both read the one input norm, their outputs added to the residual together (Cohere); needs norm_position pre
   mlp_act: Literal["silu", "gelu_tanh", "swiglu_clamped"] = "silu"  # the gated MLP's activation: SwiGLU, GeGLU (tanh GELU), or GPT-OSS's clamped SwiGLU
   mlp_bias: bool = False  # biases on the MLP (and expert) projections (GPT-OSS)
   swiglu_limit: float = 7.0  # swiglu_clamped: gate clamped above, up within +-limit
@@ -200,16 +207,18 @@ class ModelConfig:
   embed_multiplier: float = 1.0  # the embedding's output is multiplied by this (Granite's embedding_multiplier)
   residual_multiplier: float = 1.0  # each sub-layer's output is multiplied by this before its residual add (Granite)
   logits_divisor: float = 1.0  # the LM head's logits are divided by this (Granite's logits_scaling)
+  logit_scale: float = 1.0  # multiplies the final logits (Cohere's logit_scale)
   moe: MoEConfig | None = None  # a mixture-of-experts feed-forward in the MoE layers
   mla: MLAConfig | None = None  # multi-head latent attention instead of GQA (DeepSeek)
   init_std: float = 0.02  # std of the normal init of every matrix
 
   def __post_init__(self):
     _positive(self, "vocab_size", "hidden", "layers", "heads", "ffn")
-    for key in ("kv_heads", "head_dim", "sliding_window", "max_position"):  # None: derived, or not used
+    for key in ("kv_heads", "head_dim", "sliding_window", "max_position", "attention_chunk",
+                "temperature_floor"):  # None: derived, or not used
       if getattr(self, key) is not None and getattr(self, key) <= 0:
         raise ConfigError(f"model.{key}: {getattr(self, key)} must be > 0 or null")
-    for key in ("init_std", "norm_eps", "swiglu_limit", "swiglu_alpha"):
+    for key in ("init_std", "norm_eps", "swiglu_limit", "swiglu_alpha", "logit_scale"):
       if getattr(self, key) <= 0:
         raise ConfigError(f"model.{key}: {getattr(self, key)} must be > 0")
     for key in ("embed_multiplier", "residual_multiplier", "logits_divisor"):
@@ -236,6 +245,13 @@ class ModelConfig:
                           f"{self.layers} layers")
       if "sliding" in self.layer_types and self.sliding_window is None:
         raise ConfigError("model.layer_types: sliding layers need model.sliding_window")
+      if "chunked" in self.layer_types and self.attention_chunk is None:
+        raise ConfigError("model.layer_types: chunked layers need model.attention_chunk")
+    if self.parallel_block and self.norm_position != "pre":
+      raise ConfigError(f"model.parallel_block: needs model.norm_position pre, not "
+                        f"{self.norm_position}")
+    if self.mla is not None and (self.qk_l2_norm or self.temperature_floor is not None):
+      raise ConfigError("model.qk_l2_norm / temperature_floor: not with multi-head latent attention")
     bad = [i for i in self.nope_layers if not 0 <= i < self.layers]
     if bad:
       raise ConfigError(f"model.nope_layers: {bad[0]} is not a layer index (model.layers "

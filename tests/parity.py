@@ -253,14 +253,15 @@ def check_export(cfg, params, tmp: Path, dtype: str = "float32", source: Path | 
   return out
 
 
-def feature_matters(cfg, params, T: int = 12, factor: float = 100.0, **change) -> float:
+def feature_matters(cfg, params, T: int = 12, factor: float = 100.0, base=None, **change) -> float:
   """How far the logits move when the config is changed (a feature turned off), relative L2; it
   must exceed `factor` times the parity bound for the parity tests to have tested the feature.
-  A section's change is a dict of its fields (`rope=dict(truncate=True)`)."""
+  A section's change is a dict of its fields (`rope=dict(truncate=True)`). `base`: the unchanged
+  model's logits of `token_ids(vocab, T=T)`, when already computed."""
   change = {k: dataclasses.replace(getattr(cfg, k), **v) if isinstance(v, dict) else v
             for k, v in change.items()}
   ids = token_ids(cfg.vocab_size, T=T)
-  base = forward(cfg, params, ids)
+  base = forward(cfg, params, ids) if base is None else base
   other = forward(dataclasses.replace(cfg, **change), params, ids)
   moved = errors(other, base)[0]
   assert moved > factor * REL_L2, (change, moved)

@@ -15,9 +15,12 @@ from numerics import REL_L2, assert_trees_close
 
 
 def naive_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, *, segments_q_BxT=None, segments_k_BxS=None,
-                    causal=True, scale=None, window=None, softcap=None, sinks_N=None):
+                    causal=True, scale=None, window=None, softcap=None, sinks_N=None,
+                    positions_BxT=None, chunk=None):
   """Full [B, N, T, S] fp32 scores and masks, k/v repeated per query head, the cap as written,
   the sink as a concatenated score column dropped after the softmax; rows that see nothing give 0.
+  With `chunk`, a query sees only keys whose position // chunk is its own (chunked local
+  attention, T == S): the block-diagonal mask over `positions_BxT`.
   """
   B, T, N, H = q_BxTxNxH.shape
   S, K = k_BxSxKxH.shape[1:3]
@@ -38,6 +41,9 @@ def naive_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, *, segments_q_BxT=None, se
   if segments_q_BxT is not None:
     same_BxTxS = segments_q_BxT[:, :, None] == segments_k_BxS[:, None, :]
     mask_BxNxTxS = mask_BxNxTxS & same_BxTxS[:, None]
+  if chunk is not None:
+    c_BxT = np.asarray(positions_BxT) // chunk
+    mask_BxNxTxS = mask_BxNxTxS & jnp.asarray(c_BxT[:, :, None] == c_BxT[:, None, :])[:, None]
   s_BxNxTxS = jnp.where(mask_BxNxTxS, s_BxNxTxS, -1e30)
   if sinks_N is not None:
     sink_BxNxTx1 = jnp.broadcast_to(sinks_N.astype(jnp.float32)[None, :, None, None], (B, N, T, 1))
@@ -315,6 +321,25 @@ def test_cross_lengths_match_naive(T, S, causal):
   """T != S: causal is top-left aligned (query i sees keys j <= i), as is_causal=True."""
   q, k, v, ct = random_qkv(1, T, S, 4, 2, 8, jnp.float32, seed=T + S)
   assert_fp32_close(*both(q, k, v, ct, causal=causal, q_block=8, kv_block=16))
+
+
+@pytest.mark.parametrize("impl", [blockwise_attention, dense_attention])
+@pytest.mark.parametrize("packed", [False, True])
+def test_chunks_as_segments_match_the_naive_chunk_mask(impl, packed):
+  """Chunked local attention (Llama 4) as the kernels take it, ids from `chunk_segments`
+  (position // chunk within each document), against the naive attention's block-diagonal mask."""
+  B, T, chunk = 2, 29, 6
+  q, k, v, ct = random_qkv(B, T, T, 4, 2, 8, jnp.float32, seed=21)
+  seg = packed_segments(B, T, 21) if packed else jnp.zeros((B, T), jnp.int32)
+  s = np.asarray(seg)
+  starts = np.maximum.accumulate(np.where(np.diff(s, prepend=-1, axis=1) != 0, np.arange(T), 0),
+                                 axis=1)
+  pos = np.arange(T)[None, :] - starts  # restarting at each document
+  ids = attention.chunk_segments(jnp.asarray(pos), chunk, seg if packed else None)
+  blocks = dict(q_block=8, kv_block=8) if impl is blockwise_attention else {}
+  got = results(impl, q, k, v, ct, ids, ids, **blocks)
+  want = results(naive_attention, q, k, v, ct, seg, seg, positions_BxT=pos, chunk=chunk)
+  assert_fp32_close(got, want)
 
 
 def test_unsorted_segment_ids_match_naive():

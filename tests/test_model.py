@@ -106,17 +106,17 @@ def compiled(fn, *args):
   return jax.jit(fn).lower(*args).compile({"xla_backend_optimization_level": 0})
 
 
-def block_vjps(cfg, impl, variants, x, ctx):
+def block_vjps(cfg, impl, variants, x, ctx, kind=layers.BlockKind()):
   """Per (seq_tile, dtype) variant: the block's output and its vjp w.r.t. params and input."""
   rng = np.random.default_rng(0)
-  lay = models.spec(cfg).layouts["block"]
+  lay = models.spec(cfg).layouts[kind.name]
   p = lay.unflatten(rng.normal(size=lay.size).astype(np.float32) * 0.2)
   dy = rng.normal(size=x.shape).astype(np.float32)
 
   def run(p, x, dy):
     outs = []
     for seq_tile, dtype in variants:
-      block = block_lib.Block(cfg, implementation=impl, seq_tile=seq_tile)
+      block = block_lib.Block(cfg, kind, implementation=impl, seq_tile=seq_tile)
       p_, x_, dy_ = jax.tree.map(lambda a: a.astype(dtype), (p, x, dy))
       y, pullback = jax.vjp(lambda p, x: block.apply({"params": p}, x, ctx)[0], p_, x_)
       outs.append((y, pullback(dy_)))
@@ -134,6 +134,27 @@ def test_tiled_block_equals_untiled(T, packed, qk_norm):
   ctx = layers.Ctx(*map(jnp.asarray, packed_ctx(2, T, T))) if packed else None
   with jax.default_matmul_precision("highest"):
     want, got = block_vjps(cfg, "xla", [(None, jnp.float32), (4, jnp.float32)], x, ctx)
+  assert_trees_close(got, want, name="tiled")
+
+
+@pytest.mark.parametrize("variant", ["parallel", "nope_temperature", "chunked"])
+def test_tiled_block_variants_equal_untiled(variant):
+  """Cohere's parallel LayerNorm block (per-head q/k norms, interleaved RoPE), Llama 4's NoPE
+  layer with its query temperature and its chunked layer with weightless q/k norms, packed rows
+  in tiles of 4 (T = 19): output, d/dparams and d/dx as untiled."""
+  cfg, kind = {
+      "parallel": (model_cfg(norm_kind="layer", parallel_block=True, qk_norm=True,
+                             qk_norm_scope="each_head", rope=config.RopeConfig(interleave=True)),
+                   layers.BlockKind()),
+      "nope_temperature": (model_cfg(nope_layers=(0,), temperature_floor=2,
+                                     temperature_scale=0.5), layers.BlockKind(rope=False)),
+      "chunked": (model_cfg(layer_types=("chunked",), attention_chunk=5, qk_l2_norm=True),
+                  layers.BlockKind("chunked")),
+  }[variant]
+  x = np.random.default_rng(1).normal(size=(2, 19, cfg.hidden)).astype(np.float32)
+  ctx = layers.Ctx(*map(jnp.asarray, packed_ctx(2, 19, 19)))
+  with jax.default_matmul_precision("highest"):
+    want, got = block_vjps(cfg, "xla", [(None, jnp.float32), (4, jnp.float32)], x, ctx, kind)
   assert_trees_close(got, want, name="tiled")
 
 

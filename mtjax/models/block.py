@@ -9,13 +9,14 @@ import jax.numpy as jnp
 
 from mtjax.config import ModelConfig
 from mtjax.models import mla, moe
-from mtjax.models.layers import MLP, Attention, BlockKind, Ctx, RMSNorm
+from mtjax.models.layers import MLP, Attention, BlockKind, Ctx, layer_segments, norm_layer
 
 
 class Block(nn.Module):
   """One decoder layer: attention and feed-forward sub-layers with residuals, the norms where the
   config puts them (`pre`: before each, Llama; `sandwich`: before and after, Gemma; `post`: after
-  only, OLMo 2). Returns (output, auxiliary sums).
+  only, OLMo 2). A parallel block (Cohere) feeds attention and MLP the one input norm and adds both
+  to the residual. Returns (output, auxiliary sums).
 
   With `seq_tile`, everything but the attention core (which is blockwise already, or [T x T]
   anyway) runs `seq_tile` tokens at a time, each tile recomputed in the backward: the input norm
@@ -30,8 +31,10 @@ class Block(nn.Module):
 
   def setup(self):
     cfg = self.cfg
-    norm = lambda: RMSNorm(cfg.norm_eps, cfg.norm_offset)
-    if cfg.norm_position != "post":
+    norm = lambda: norm_layer(cfg)
+    if cfg.parallel_block:
+      self.attn_norm = norm()
+    elif cfg.norm_position != "post":
       self.attn_norm, self.mlp_norm = norm(), norm()
     if cfg.norm_position != "pre":
       self.post_attn_norm, self.post_mlp_norm = norm(), norm()
@@ -44,9 +47,9 @@ class Block(nn.Module):
     else:
       self.mlp = MLP(cfg, cfg.ffn)
 
-  def _qkv(self, x_BxTxD, cos_BxTxR2, sin_BxTxR2):
+  def _qkv(self, x_BxTxD, *tables):
     h = x_BxTxD if self.cfg.norm_position == "post" else self.attn_norm(x_BxTxD)
-    return self.attn.qkv(h, cos_BxTxR2, sin_BxTxR2)
+    return self.attn.qkv(h, *tables)
 
   def _out(self, x_BxTxD, a_BxTxE, valid_BxT):
     """The residual stream after attention's output projection and the feed-forward sub-layer,
@@ -54,7 +57,10 @@ class Block(nn.Module):
     post = self.cfg.norm_position != "pre"
     o = self.attn.out(a_BxTxE)
     h = self._residual(x_BxTxD, self.post_attn_norm(o) if post else o)
-    m_in = h if self.cfg.norm_position == "post" else self.mlp_norm(h)
+    if self.cfg.parallel_block:  # the MLP reads the attention's input norm, recomputed
+      m_in = self.attn_norm(x_BxTxD)
+    else:
+      m_in = h if self.cfg.norm_position == "post" else self.mlp_norm(h)
     if self.kind.moe:
       m, aux = self.mlp(m_in, valid_BxT)
     else:
@@ -73,7 +79,7 @@ class Block(nn.Module):
     B, T, _ = x_BxTxD.shape
     ctx = Ctx.default(B, T) if ctx is None else ctx
     q, k, v = self._per_token(Block._qkv, x_BxTxD, *self.attn.rope(ctx.positions))
-    a_BxTxE = self.attn.core(q, k, v, ctx.segments)
+    a_BxTxE = self.attn.core(q, k, v, layer_segments(self.cfg, self.kind.layer_type, ctx))
     valid_BxT = jnp.ones((B, T), jnp.float32)
     y, aux = self._per_token(Block._out, x_BxTxD, a_BxTxE, valid_BxT, sums=True)
     return y, aux

@@ -128,14 +128,18 @@ class Reader:
     except ConfigError as e:  # a value mtjax's RoPE cannot take, named as config.json spells it
       raise FamilyError(f"{self.where}: {key}={rope!r} unsupported ({e})") from None
 
-  def layer_types(self, layers: int, default: str = "full") -> tuple[str, ...] | None:
-    """`layer_types` as mtjax's full/sliding, or None when every layer is full."""
+  def layer_types(self, layers: int, default: str = "full", chunked: bool = False
+                  ) -> tuple[str, ...] | None:
+    """`layer_types` as mtjax's full/sliding (/chunked where the family has chunked layers), or
+    None when every layer is full."""
     names = self.c.get("layer_types")
     if names is None:
       return None if default == "full" else (default,) * layers
     mapping = {"full_attention": "full", "sliding_attention": "sliding"}
+    if chunked:
+      mapping["chunked_attention"] = "chunked"
     if len(names) != layers or any(n not in mapping for n in names):
-      self.refuse("layer_types", f"expected {layers} of full_attention / sliding_attention")
+      self.refuse("layer_types", f"expected {layers} of {' / '.join(mapping)}")
     out = tuple(mapping[n] for n in names)
     return None if all(t == "full" for t in out) else out
 
@@ -189,7 +193,7 @@ def base_config(cfg: ModelConfig, arch: str, model_type: str, dtype: str) -> dic
 
 
 def layer_type_names(cfg: ModelConfig) -> list[str]:
-  names = {"full": "full_attention", "sliding": "sliding_attention"}
+  names = {"full": "full_attention", "sliding": "sliding_attention", "chunked": "chunked_attention"}
   return [names[cfg.layer_type(i)] for i in range(cfg.layers)]
 
 

@@ -26,13 +26,13 @@ from mtjax.config import ModelConfig, RopeConfig
 @dataclasses.dataclass(frozen=True)
 class BlockKind:
   """What distinguishes one layer kind from another: one compiled executable per kind."""
-  layer_type: str = "full"  # full attention, or a sliding window
+  layer_type: str = "full"  # full attention, a sliding window, or chunks
   moe: bool = False  # a mixture-of-experts feed-forward instead of the dense MLP
   rope: bool = True  # the attention rotates q and k (False: NoPE)
 
   @property
   def name(self) -> str:
-    return ("block" + ("_sliding" if self.layer_type == "sliding" else "")
+    return ("block" + ("" if self.layer_type == "full" else f"_{self.layer_type}")
             + ("" if self.rope else "_nope") + ("_moe" if self.moe else ""))
 
 
@@ -169,6 +169,14 @@ class Ctx:
     return cls(jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None, :], (B, T)))
 
 
+def layer_segments(cfg: ModelConfig, layer_type: str, ctx: Ctx) -> jax.Array | None:
+  """The ids a layer's attention keeps to: the documents, and in a chunked layer each
+  document's chunks of `attention_chunk` positions (mtjax.attention.chunk_segments)."""
+  if layer_type != "chunked":
+    return ctx.segments
+  return attention.chunk_segments(ctx.positions, cfg.attention_chunk, ctx.segments)
+
+
 class RMSNorm(nn.Module):
   """RMSNorm over the last axis in fp32; with `offset` the weight w scales by (1 + w) (Gemma)."""
   eps: float
@@ -184,6 +192,43 @@ class RMSNorm(nn.Module):
     if self.offset:  # Gemma multiplies in fp32 and casts once
       return (normed * (1.0 + scale.reshape(shape))).astype(x.dtype)
     return normed.astype(x.dtype) * scale.astype(x.dtype).reshape(shape)
+
+
+class LayerNorm(nn.Module):
+  """LayerNorm over the last axis in fp32 without a bias (Cohere): the mean subtracted, the
+  weight multiplied in fp32 and the product cast once. `weight_axes` 2 gives each head a weight of
+  its own ([N, H]: Cohere's q/k norms), the statistics still over the last axis alone."""
+  eps: float
+  weight_axes: int = 1
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param("scale", nn.initializers.ones, x.shape[-self.weight_axes:], jnp.float32)
+    x32 = x.astype(jnp.float32)
+    centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+    normed = centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + self.eps)
+    return (normed * scale.reshape((1,) * (x.ndim - self.weight_axes) + scale.shape)).astype(x.dtype)
+
+
+def norm_layer(cfg: ModelConfig, name: str | None = None, weight_axes: int = 1) -> nn.Module:
+  """The config's norm: RMSNorm (`norm_offset`: Gemma's 1 + w), or LayerNorm (`norm_kind`)."""
+  if cfg.norm_kind == "layer":
+    return LayerNorm(cfg.norm_eps, weight_axes, name=name)
+  return RMSNorm(cfg.norm_eps, cfg.norm_offset, name=name)
+
+
+def l2_norm(x, eps: float):
+  """RMS normalisation without a weight in fp32 (Llama 4's q/k norm)."""
+  x32 = x.astype(jnp.float32)
+  return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def nope_temperature(cfg: ModelConfig, positions_BxT: jax.Array) -> jax.Array:
+  """Llama 4's query scale in NoPE layers, [B, T, 1, 1] fp32: log(floor((p + 1) / floor) + 1)
+  * scale + 1 (positions count from each document's start)."""
+  p = positions_BxT.astype(jnp.float32)
+  t = jnp.log1p(jnp.floor((p + 1.0) / cfg.temperature_floor)) * cfg.temperature_scale + 1.0
+  return t[:, :, None, None]
 
 
 def dense(features, name=None, bias=False):
@@ -286,9 +331,10 @@ def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, segments_BxT, *, implementation: str
 class Attention(nn.Module):
   """Causal GQA attention with RoPE, in per-token (`qkv`, `out`) and sequence (`core`) parts.
 
-  Options from the config: q/k/v (and o) biases, q/k norms per head or over the whole projection,
-  a sliding window for sliding layers, logit soft-capping, a logit scale, attention sinks, no
-  rotary embedding (NoPE layers).
+  Options from the config: q/k/v (and o) biases, q/k norms per head (a weight per head or one for
+  all) or over the whole projection, or without a weight after RoPE, a sliding window for sliding
+  layers, logit soft-capping, a logit scale, attention sinks, no rotary embedding (NoPE layers),
+  with a query temperature by position there.
   """
   cfg: ModelConfig
   layer_type: str = "full"
@@ -303,16 +349,20 @@ class Attention(nn.Module):
     self.v = dense(K * hd, bias=cfg.qkv_bias)
     self.o = dense(cfg.hidden, bias=cfg.o_bias)
     if cfg.qk_norm:
-      self.q_norm = RMSNorm(cfg.norm_eps, cfg.norm_offset)
-      self.k_norm = RMSNorm(cfg.norm_eps, cfg.norm_offset)
+      axes = 2 if cfg.qk_norm_scope == "each_head" else 1
+      self.q_norm, self.k_norm = norm_layer(cfg, weight_axes=axes), norm_layer(cfg, weight_axes=axes)
     if cfg.attention_sinks:
       self.sinks = self.param("sinks", nn.initializers.zeros, (H,), jnp.float32)
 
   def rope(self, positions_BxT):
-    """This layer's RoPE tables (`rope_tables`)."""
+    """This layer's per-token tables: RoPE's cos and sin (`rope_tables`); in a NoPE layer the
+    query temperature (`nope_temperature`) or nothing."""
+    if not self.rotary:
+      return () if self.cfg.temperature_floor is None else (nope_temperature(self.cfg,
+                                                                             positions_BxT),)
     return rope_tables(self.cfg, positions_BxT, self.layer_type)
 
-  def qkv(self, x_BxTxD, cos_BxTxR2, sin_BxTxR2):
+  def qkv(self, x_BxTxD, *tables):
     """Queries, keys and values with RoPE applied; each token's from its own input alone."""
     cfg = self.cfg
     B, T, _ = x_BxTxD.shape
@@ -321,13 +371,17 @@ class Attention(nn.Module):
     if cfg.qk_norm and cfg.qk_norm_scope == "all":  # OLMo 2: over the whole projection
       q, k = self.q_norm(q), self.k_norm(k)
     q, k, v = q.reshape(B, T, H, hd), k.reshape(B, T, K, hd), v.reshape(B, T, K, hd)
-    if cfg.qk_norm and cfg.qk_norm_scope == "head":
+    if cfg.qk_norm and cfg.qk_norm_scope != "all":
       q, k = self.q_norm(q), self.k_norm(k)
     if not self.rotary:
+      if tables:  # the temperature
+        q = (q * tables[0]).astype(q.dtype)
       return q, k, v
-    il = cfg.rope.interleave
-    return (apply_rope(q, cos_BxTxR2, sin_BxTxR2, il), apply_rope(k, cos_BxTxR2, sin_BxTxR2, il),
-            v)
+    interleaved = cfg.rope.interleave
+    q, k = apply_rope(q, *tables, interleaved), apply_rope(k, *tables, interleaved)
+    if cfg.qk_l2_norm:
+      q, k = l2_norm(q, cfg.norm_eps), l2_norm(k, cfg.norm_eps)
+    return q, k, v
 
   def core(self, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segments_BxT):
     """Attention over the sequence: [B, T, N * H], before the output projection."""
@@ -345,7 +399,8 @@ class Attention(nn.Module):
   def __call__(self, x_BxTxD, ctx: Ctx | None = None):
     B, T, _ = x_BxTxD.shape
     ctx = Ctx.default(B, T) if ctx is None else ctx
-    return self.out(self.core(*self.qkv(x_BxTxD, *self.rope(ctx.positions)), ctx.segments))
+    return self.out(self.core(*self.qkv(x_BxTxD, *self.rope(ctx.positions)),
+                              layer_segments(self.cfg, self.layer_type, ctx)))
 
 
 def activate(cfg: ModelConfig, gate, up):
@@ -401,12 +456,12 @@ class Embed(nn.Module):
 
 
 class Head(nn.Module):
-  """Final RMSNorm and the LM head (logits divided by `logits_divisor`, soft-capped where the
-  config says); with tied embeddings the caller passes the embedding table."""
+  """Final norm and the LM head (logits scaled by `logit_scale`, divided by `logits_divisor`,
+  soft-capped where the config says); with tied embeddings the caller passes the embedding table."""
   cfg: ModelConfig
 
   def setup(self):
-    self.norm = RMSNorm(self.cfg.norm_eps, self.cfg.norm_offset, name="norm")
+    self.norm = norm_layer(self.cfg, name="norm")
     if not self.cfg.tie_embeddings:
       self.out = self.param("out", nn.initializers.normal(self.cfg.init_std),
                             (self.cfg.hidden, self.cfg.vocab_size), jnp.float32)
@@ -417,6 +472,8 @@ class Head(nn.Module):
   def logits(self, hn_NxD, table_VxD=None):
     w_DxV = table_VxD.T if self.cfg.tie_embeddings else self.out
     logits = hn_NxD @ w_DxV.astype(hn_NxD.dtype)
+    if self.cfg.logit_scale != 1.0:
+      logits = logits * jnp.asarray(self.cfg.logit_scale, logits.dtype)
     if self.cfg.logits_divisor != 1.0:  # Granite's logits_scaling, in fp32 as the loss is
       logits = logits.astype(jnp.float32) / self.cfg.logits_divisor
     if self.cfg.final_softcap is None:

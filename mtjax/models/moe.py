@@ -133,8 +133,11 @@ class MoE(nn.Module):
       kept_P = jnp.zeros(N * k, bool).at[order_P].set(kept_sorted)
       dropped = jnp.sum((~kept_P).reshape(N, k) * valid_N[:, None])
       weight_P = jnp.where(kept_P, weight_P, 0.0)
-    y_sorted = Experts(cfg, name="experts")(x_NxD[order_P // k], sizes_E, sorted_expert_P,
-                                            self.impl)
+    x_sorted = x_NxD[order_P // k]
+    if m.weight_inputs:  # Llama 4: the weight scales the expert's input; a dropped pair adds 0
+      x_sorted = x_sorted * weight_P[order_P][:, None].astype(x_sorted.dtype)
+      weight_P = jnp.ones_like(weight_P) if m.capacity_factor is None else kept_P.astype(jnp.float32)
+    y_sorted = Experts(cfg, name="experts")(x_sorted, sizes_E, sorted_expert_P, self.impl)
     y_P = jnp.zeros_like(y_sorted).at[order_P].set(y_sorted)  # back in (token, choice) order
     y_NxD = jnp.einsum("nkd,nk->nd", y_P.reshape(N, k, D), weight_P.reshape(N, k).astype(y_P.dtype))
     if m.shared_experts or m.shared_ffn:

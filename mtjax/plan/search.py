@@ -707,14 +707,14 @@ def carries_documents(cfg: config_lib.Config) -> bool:
 def attention_kernels(cfg: config_lib.Config, rates: Rates) -> list[str]:
   """Each layer's attention kernel as the engine picks it on the planned device: `auto` resolved
   (models.layers.choose_attention), then per layer (layer_kernel): prepared data (not preference
-  pairs) carries document ids, which cuDNN takes as a mask; a soft-cap or sinks take the blockwise
-  kernel."""
+  pairs) carries document ids, which cuDNN takes as a mask, as are a chunked layer's chunks; a
+  soft-cap or sinks take the blockwise kernel."""
   from mtjax.models import layers  # flax: loaded when a plan is made
   m, e, t = cfg.model, cfg.engine, cfg.train
   widths = models.spec(m).attention_widths
   impl = layers.choose_attention(e.attention, "gpu" if rates.accelerator else "cpu",
                                  rates.compute_capability, e.compute_dtype, widths, t.seq)
-  kernel = layers.layer_kernel(impl, seq=t.seq, packed=carries_documents(cfg),
-                               softcap=m.attn_softcap is not None, sinks=bool(m.attention_sinks),
-                               same_widths=widths[1] == widths[2])
-  return [kernel] * m.layers
+  documents = carries_documents(cfg)
+  return [layers.layer_kernel(impl, seq=t.seq, packed=documents or m.layer_type(i) == "chunked",
+                              softcap=m.attn_softcap is not None, sinks=bool(m.attention_sinks),
+                              same_widths=widths[1] == widths[2]) for i in range(m.layers)]
