@@ -86,6 +86,25 @@ class MLAConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LinearAttentionConfig:
+  """The gated DeltaNet of a model's "linear" layers (Qwen3-Next): a causal depthwise convolution
+  over q/k/v, then the gated delta rule's recurrence over a [key_dim x value_dim] state per head."""
+  key_heads: int = 2  # query/key heads (linear_num_key_heads)
+  value_heads: int = 4  # value heads, a multiple of key_heads; each key head serves value_heads / key_heads of them
+  key_dim: int = 16  # per-head query/key width (linear_key_head_dim)
+  value_dim: int = 16  # per-head value width (linear_value_head_dim)
+  conv_kernel: int = 4  # taps of the causal depthwise convolution (linear_conv_kernel_dim)
+  chunk: int = 64  # tokens per chunk of the chunked scan (the same result for any size; the work is T x chunk)
+
+  def __post_init__(self):
+    _positive(self, "key_heads", "value_heads", "key_dim", "value_dim", "conv_kernel", "chunk",
+              section="model.linear.")
+    if self.value_heads % self.key_heads:
+      raise ConfigError(f"model.linear.value_heads: {self.value_heads} is no multiple of "
+                        f"model.linear.key_heads ({self.key_heads})")
+
+
+@dataclasses.dataclass(frozen=True)
 class RopeConfig:
   """Rotary position embeddings: the base, a frequency scaling rule and its parameters."""
   theta: float = 10000.0  # RoPE base
@@ -157,7 +176,7 @@ def derived_widths(model: dict) -> dict:
     m["head_dim"] = None
   return m
 
-LayerType = Literal["full", "sliding"]
+LayerType = Literal["full", "sliding", "linear"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,11 +199,12 @@ class ModelConfig:
   o_bias: bool = False  # bias on the attention output projection (GPT-OSS)
   qk_norm: bool = False  # RMSNorm on q and k before RoPE (Qwen3, Gemma 3, OLMo 2)
   qk_norm_scope: Literal["head", "all"] = "head"  # over each head's channels, or over the whole projection (OLMo 2)
-  layer_types: tuple[LayerType, ...] | None = None  # each layer's attention: full, or sliding (a window of sliding_window tokens); None: all full
+  layer_types: tuple[LayerType, ...] | None = None  # each layer's attention: full, sliding (a window of sliding_window tokens), or linear (model.linear's gated DeltaNet); None: all full
   sliding_window: int | None = None  # tokens a sliding layer's query sees, itself included
   attn_softcap: float | None = None  # attention logits capped as c * tanh(s / c) (Gemma 2)
   query_scale: float | None = None  # the attention logits' scale; None: 1 / sqrt(head_dim)
   attention_sinks: bool = False  # a learned logit per head joins each softmax (GPT-OSS)
+  attn_output_gate: bool = False  # q_proj also gives a gate per head and channel: sigmoid(gate) scales the attention output (Qwen3-Next)
   rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)  # rotary position embeddings (model.rope)
   norm_eps: float = 1e-5  # RMSNorm epsilon
   norm_offset: bool = False  # norms scale by (1 + w), w stored and initialised at 0 (Gemma)
@@ -197,6 +217,7 @@ class ModelConfig:
   final_softcap: float | None = None  # final logits capped as c * tanh(x / c) (Gemma 2)
   moe: MoEConfig | None = None  # a mixture-of-experts feed-forward in the MoE layers
   mla: MLAConfig | None = None  # multi-head latent attention instead of GQA (DeepSeek)
+  linear: LinearAttentionConfig | None = None  # the gated DeltaNet of the "linear" layers (Qwen3-Next)
   init_std: float = 0.02  # std of the normal init of every matrix
 
   def __post_init__(self):
@@ -228,6 +249,11 @@ class ModelConfig:
                           f"{self.layers} layers")
       if "sliding" in self.layer_types and self.sliding_window is None:
         raise ConfigError("model.layer_types: sliding layers need model.sliding_window")
+      if "linear" in self.layer_types and self.linear is None:
+        raise ConfigError("model.layer_types: linear layers need model.linear")
+    if self.attn_output_gate and (self.mla is not None or self.qk_norm_scope == "all"):
+      raise ConfigError("model.attn_output_gate: takes GQA attention with per-head q/k norms, not "
+                        "model.mla or qk_norm_scope all")
     rope = self.rope
     if rope.scaling == "longrope":
       half = self.rotary_dim // 2

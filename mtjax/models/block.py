@@ -1,5 +1,6 @@
-"""One decoder layer, the template every block kind compiles: attention (GQA or multi-head latent)
-and a feed-forward (the dense gated MLP or a mixture of experts) with residuals and norms."""
+"""One decoder layer, the template every block kind compiles: a token mixer (GQA or multi-head
+latent attention, or a gated DeltaNet) and a feed-forward (the dense gated MLP or a mixture of
+experts) with residuals and norms."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from mtjax.config import ModelConfig
-from mtjax.models import mla, moe
+from mtjax.models import deltanet, mla, moe
 from mtjax.models.layers import MLP, Attention, BlockKind, Ctx, RMSNorm
 
 
@@ -17,9 +18,10 @@ class Block(nn.Module):
   config puts them (`pre`: before each, Llama; `sandwich`: before and after, Gemma; `post`: after
   only, OLMo 2). Returns (output, auxiliary sums).
 
-  With `seq_tile`, everything but the attention core (which is blockwise already, or [T x T]
-  anyway) runs `seq_tile` tokens at a time, each tile recomputed in the backward: the input norm
-  and q/k/v projections before it, the output projection, MLP and residuals after it. A layer's
+  With `seq_tile`, everything but the mixer's core (attention, which is blockwise already, or
+  [T x T] anyway; a DeltaNet's convolution and recurrence, which carry state along the sequence)
+  runs `seq_tile` tokens at a time, each tile recomputed in the backward: the input norm and
+  q/k/v projections before it, the output projection, MLP and residuals after it. A layer's
   working set is then bounded by the tile, not by T x ffn. Same parameters either way.
   """
   cfg: ModelConfig
@@ -35,7 +37,9 @@ class Block(nn.Module):
       self.attn_norm, self.mlp_norm = norm(), norm()
     if cfg.norm_position != "pre":
       self.post_attn_norm, self.post_mlp_norm = norm(), norm()
-    if cfg.mla is not None:
+    if self.kind.layer_type == "linear":
+      self.attn = deltanet.GatedDeltaNet(cfg)
+    elif cfg.mla is not None:
       self.attn = mla.LatentAttention(cfg, self.kind.layer_type, self.implementation)
     else:
       self.attn = Attention(cfg, self.kind.layer_type, self.implementation)
@@ -44,9 +48,9 @@ class Block(nn.Module):
     else:
       self.mlp = MLP(cfg, cfg.ffn)
 
-  def _qkv(self, x_BxTxD, cos_BxTxR2, sin_BxTxR2):
+  def _qkv(self, x_BxTxD, *tables):
     h = x_BxTxD if self.cfg.norm_position == "post" else self.attn_norm(x_BxTxD)
-    return self.attn.qkv(h, cos_BxTxR2, sin_BxTxR2)
+    return self.attn.qkv(h, *tables)
 
   def _out(self, x_BxTxD, a_BxTxE, valid_BxT):
     """The residual stream after attention's output projection and the feed-forward sub-layer,
@@ -64,8 +68,8 @@ class Block(nn.Module):
   def __call__(self, x_BxTxD, ctx: Ctx | None = None):
     B, T, _ = x_BxTxD.shape
     ctx = Ctx.default(B, T) if ctx is None else ctx
-    q, k, v = self._per_token(Block._qkv, x_BxTxD, *self.attn.rope(ctx.positions))
-    a_BxTxE = self.attn.core(q, k, v, ctx.segments)
+    qkv = self._per_token(Block._qkv, x_BxTxD, *self.attn.rope(ctx.positions))
+    a_BxTxE = self.attn.core(qkv, ctx.segments)
     valid_BxT = jnp.ones((B, T), jnp.float32)
     y, aux = self._per_token(Block._out, x_BxTxD, a_BxTxE, valid_BxT, sums=True)
     return y, aux
