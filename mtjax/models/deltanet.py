@@ -25,6 +25,11 @@ from mtjax.models.layers import RMSNorm, dense
 L2_EPS = 1e-6  # transformers' (and the FLA kernels') epsilon of the q/k L2 norm
 
 
+def wide(a):
+  """`a` in fp32, or wider: the recurrence and its inputs never run in bf16."""
+  return a.astype(jnp.promote_types(a.dtype, jnp.float32))
+
+
 def document_runs(segments_BxT: jax.Array) -> jax.Array:
   """The index of each token's document within its row, [B, T] int32: a new one wherever the id
   changes."""
@@ -68,16 +73,15 @@ def chunked_delta_rule(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxH, beta_BxTxH,
   C = min(chunk, T)
   n = -(-T // C)
   pad = n * C - T
-  f32 = lambda a: a.astype(jnp.float32)
 
   def chunks(a, mode="constant"):  # [B, T, H, ...] -> [B, H, n, C, ...], zeros past T
     a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), mode=mode)
     a = a.reshape(B, n, C, *a.shape[2:])
     return jnp.moveaxis(a, 3, 1) if a.ndim > 3 else a
 
-  q = chunks(f32(q_BxTxHxK) * Kd ** -0.5)
-  k, v = chunks(f32(k_BxTxHxK)), chunks(f32(v_BxTxHxV))
-  g, beta = chunks(f32(g_BxTxH)), chunks(f32(beta_BxTxH))
+  q = chunks(wide(q_BxTxHxK) * Kd ** -0.5)
+  k, v = chunks(wide(k_BxTxHxK)), chunks(wide(v_BxTxHxV))
+  g, beta = chunks(wide(g_BxTxH)), chunks(wide(beta_BxTxH))
   cum = jnp.cumsum(g, axis=-1)  # [B, H, n, C]
   causal = jnp.tril(jnp.ones((C, C), bool))[None, None, None]
   eye = jnp.eye(C, dtype=bool)[None, None, None]
@@ -115,7 +119,7 @@ def chunked_delta_rule(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxH, beta_BxTxH,
     return S, o
 
   per_chunk = lambda a: jnp.moveaxis(a, 2, 0)  # the scan's axis first
-  S0 = jnp.zeros((B, H, Kd, Vd), jnp.float32)
+  S0 = jnp.zeros((B, H, Kd, Vd), q.dtype)
   _, o = jax.lax.scan(step, S0, tuple(per_chunk(a) for a in (u, w, attn, q_start, k_end,
                                                              jnp.broadcast_to(carry_decay,
                                                                               cum.shape[:-1]))))
@@ -162,9 +166,8 @@ class GatedDeltaNet(nn.Module):
     ba = self.ba(x_BxTxD).reshape(B, T, Hk, 2 * r)
     b, a = ba[..., :r].reshape(B, T, -1), ba[..., r:].reshape(B, T, -1)
     mixed = jnp.concatenate([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], -1)
-    beta = jax.nn.sigmoid(b.astype(jnp.float32))
-    g = -jnp.exp(self.A_log)[None, None] * jax.nn.softplus(a.astype(jnp.float32)
-                                                           + self.dt_bias[None, None])
+    beta = jax.nn.sigmoid(wide(b))
+    g = -jnp.exp(self.A_log)[None, None] * jax.nn.softplus(wide(a) + self.dt_bias[None, None])
     return mixed, z.reshape(B, T, m.value_heads, Dv), beta, g
 
   def core(self, qkv, segments_BxT):
@@ -179,9 +182,9 @@ class GatedDeltaNet(nn.Module):
     q = jnp.repeat(y[..., :kd].reshape(B, T, m.key_heads, m.key_dim), r, axis=2)
     k = jnp.repeat(y[..., kd:2 * kd].reshape(B, T, m.key_heads, m.key_dim), r, axis=2)
     v = y[..., 2 * kd:].reshape(B, T, m.value_heads, m.value_dim)
-    q, k = (l2_normalize(a.astype(jnp.float32)) for a in (q, k))
+    q, k = (l2_normalize(wide(a)) for a in (q, k))
     o = chunked_delta_rule(q, k, v, g, beta, runs, m.chunk).astype(mixed.dtype)
-    gated = self.out_norm(o).astype(jnp.float32) * nn.silu(z_BxTxHxV.astype(jnp.float32))
+    gated = wide(self.out_norm(o)) * nn.silu(wide(z_BxTxHxV))
     return gated.astype(mixed.dtype).reshape(B, T, -1)
 
   def out(self, a_BxTxE):
