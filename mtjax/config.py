@@ -157,9 +157,9 @@ def upgrade_model_section(raw_model: dict) -> dict:
   return out
 
 
-# Model keys that say how a mixture trains, not what the model computes: a run may set them on an
-# imported model, and a checkpoint resumes under other values.
-TRAINING_KNOBS = ("aux_loss_coef", "z_loss_coef", "capacity_factor")
+# Model keys that say how a mixture trains or how a DeltaNet's scan is split, not what the model
+# computes: a run may set them on an imported model, and a checkpoint resumes under other values.
+TRAINING_KNOBS = ("aux_loss_coef", "z_loss_coef", "capacity_factor", "chunk")
 
 
 def derived_widths(model: dict) -> dict:

@@ -4,9 +4,9 @@ and one AdamW step; each distinguishing feature moves the logits; the chunked sc
 DeltaNet equals the token-by-token recurrence for any chunk, across sequence tiles and packed
 documents.
 
-The tiny config has both layer kinds with a mixture (a DeltaNet layer and a gated-attention one)
-and a dense DeltaNet layer (mlp_only_layers), two value heads per key head, attention biases (so
-that the query/gate split of q_proj's bias is tested) and transformers' partial rotation (0.25).
+The tiny config has both layer kinds (a DeltaNet layer with a mixture, a gated-attention one with
+a dense MLP by mlp_only_layers), two value heads per key head, attention biases (so that the
+query/gate split of q_proj's bias is tested) and transformers' partial rotation (0.25).
 Its weights are drawn at std 0.1, not the other families' 0.2: at 0.2 the DeltaNet layers' fp32
 rounding alone (transformers' as mtjax's, each against a float64 evaluation) reaches 1e-4 of
 some gradients, where the parity bounds would measure the rounding rather than the code.
@@ -22,7 +22,7 @@ import pytest
 import safetensors.numpy
 
 import mtjax
-from mtjax import hf, models, plan
+from mtjax import cli, config, hf, models, plan
 from mtjax.config import ModelConfig
 from mtjax.models import deltanet
 from mtjax.models.layers import Ctx
@@ -37,13 +37,12 @@ import parity
 
 COEF = 0.2  # router_aux_loss_coef: large enough that a wrong load balance moves the gradients
 SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=40, moe_intermediate_size=16,
-             shared_expert_intermediate_size=24, num_hidden_layers=3, num_attention_heads=4,
+             shared_expert_intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
              linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
              linear_conv_kernel_dim=3, num_experts=4, num_experts_per_tok=2,
              initializer_range=0.1, attention_bias=True, router_aux_loss_coef=COEF,
-             layer_types=["linear_attention", "full_attention", "linear_attention"],
-             mlp_only_layers=[2])
+             layer_types=["linear_attention", "full_attention"], mlp_only_layers=[1])
 
 
 @pytest.fixture(scope="module")
@@ -51,20 +50,11 @@ def saved(tmp_path_factory):
   d = tmp_path_factory.mktemp("qwen3_next") / "src"
   m = parity.save_tiny(transformers.Qwen3NextConfig(**SHAPE), d)
   with torch.no_grad():  # A_log and dt_bias away from their init too: a swapped pair shows
-    for layer in (m.model.layers[0], m.model.layers[2]):
+    for layer in m.model.layers[:1]:
       layer.linear_attn.A_log.add_(0.5 * torch.randn_like(layer.linear_attn.A_log))
       layer.linear_attn.dt_bias.add_(0.5 * torch.randn_like(layer.linear_attn.dt_bias))
   m.save_pretrained(d)
   return d
-
-
-def moves(cfg, params, changed) -> float:
-  """How far the logits move when parameters are changed (relative L2): a feature that changing
-  them turns off must move them well past the parity bound."""
-  ids = parity.token_ids(cfg.vocab_size)
-  moved = errors(parity.forward(cfg, changed, ids), parity.forward(cfg, params, ids))[0]
-  assert moved > 100 * REL_L2, moved
-  return moved
 
 
 def with_linear(params, **values):
@@ -81,38 +71,35 @@ def with_linear(params, **values):
 @parity.covers("qwen3_next")
 def test_qwen3_next_equals_transformers(saved, tmp_path):
   cfg, params, want = parity.check_logits_and_gradients(saved, aux_coef=COEF)
-  assert cfg.family == "qwen3_next" and cfg.layer_types == ("linear", "full", "linear")
-  assert [k for _, k in models.spec(cfg).groups[1:-1]] == ["block_linear_moe", "block_moe",
-                                                           "block_linear"]
+  assert cfg.family == "qwen3_next" and cfg.layer_types == ("linear", "full")
+  assert [k for _, k in models.spec(cfg).groups[1:-1]] == ["block_linear_moe", "block"]
   assert (cfg.rope.partial, cfg.rotary_dim, cfg.norm_offset, cfg.attn_output_gate) == (
       0.25, 4, True, True)
   moe_checks.check_aux_loss(cfg, params, want, COEF)
   moe_checks.check_routing(saved, cfg, params)
-  m = cfg.moe
-  for change in (dict(norm_offset=False), dict(qk_norm=False), dict(rope=dict(partial=0.5)),
-                 dict(moe=dataclasses.replace(m, shared_gate=False)),
-                 dict(moe=dataclasses.replace(m, shared_experts=0, shared_ffn=None,
-                                              shared_gate=False)),
-                 dict(moe=dataclasses.replace(m, norm_topk_prob=False))):
+  for change in (dict(norm_offset=False), dict(rope=dict(partial=0.5))):
     parity.feature_matters(cfg, params, **change)
-  # The output gate off: q_proj's query half alone, per head.
-  H, hd, D = cfg.heads, cfg.dim_per_head, cfg.hidden
+  # The same criterion, one compiled forward per config (the base's compiled once): the mixture's
+  # features turned off; the output gate (q_proj's query half alone, per head, without
+  # attn_output_gate); no decay (A_log -> -inf); the convolution as the identity; the gated
+  # norm's weights at 1.
+  ids = parity.token_ids(cfg.vocab_size)
+  forward = jax.jit(lambda cfg, p: mtjax.forward(cfg, p, ids), static_argnums=0)
+  base = np.asarray(forward(cfg, params))
+  H, hd, D, K = cfg.heads, cfg.dim_per_head, cfg.hidden, cfg.linear.conv_kernel
   half = lambda q: {"kernel": q["kernel"].reshape(D, H, 2, hd)[:, :, 0].reshape(D, H * hd),
                     "bias": q["bias"].reshape(H, 2, hd)[:, 0].reshape(H * hd)}
   gateless = [dict(b, attn={**b["attn"], "q": half(b["attn"]["q"])}) if "q" in b["attn"] else b
               for b in params["blocks"]]
-  ids = parity.token_ids(cfg.vocab_size)
-  other = parity.forward(dataclasses.replace(cfg, attn_output_gate=False),
-                         dict(params, blocks=gateless), ids)
-  assert errors(other, parity.forward(cfg, params, ids))[0] > 100 * REL_L2
-  # The DeltaNet's parts: no decay (A_log -> -inf), dt_bias shifted, the convolution as the
-  # identity, the gated norm's weights at 1.
-  K = cfg.linear.conv_kernel
-  moves(cfg, params, with_linear(params, A_log=lambda a: np.full_like(a, -30.0)))
-  moves(cfg, params, with_linear(params, dt_bias=lambda a: a + 3.0))
-  moves(cfg, params, with_linear(params, conv=lambda w: np.eye(K, dtype=w.dtype)[K - 1][None]
-                                 .repeat(w.shape[0], 0)))
-  moves(cfg, params, with_linear(params, out_norm=lambda n: {"scale": np.ones_like(n["scale"])}))
+  for other, changed in (
+      (dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, shared_gate=False)), params),
+      (dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, norm_topk_prob=False)), params),
+      (dataclasses.replace(cfg, attn_output_gate=False), dict(params, blocks=gateless)),
+      (cfg, with_linear(params, A_log=lambda a: np.full_like(a, -30.0))),
+      (cfg, with_linear(params, conv=lambda w: np.repeat(np.eye(K, dtype=w.dtype)[K - 1:],
+                                                          w.shape[0], 0))),
+      (cfg, with_linear(params, out_norm=lambda n: {"scale": np.ones_like(n["scale"])}))):
+    assert errors(np.asarray(forward(other, changed)), base)[0] > 100 * REL_L2
   parity.pieces_cover_every_parameter(cfg)
   parity.check_export(cfg, params, tmp_path / "out")
 
@@ -149,8 +136,8 @@ def scan_inputs(B=2, T=12, H=3, Kd=4, Vd=5, seed=0):
   return [a.astype(np.float32) for a in (q, k, v, g, beta)]
 
 
-@pytest.mark.parametrize("chunk", [1, 4, 5, 12, 64])  # 5 divides no T here
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("chunk,packed", [(1, False), (5, False), (64, False), (3, True),
+                                          (5, True)])  # 5 divides no T here
 def test_chunked_scan_equals_the_token_by_token_recurrence(chunk, packed):
   q, k, v, g, beta = scan_inputs()
   segments = np.array([[0] * 3 + [1] * 6 + [2] * 3, [5] * 7 + [6] * 5]) if packed else None
@@ -163,7 +150,7 @@ def test_chunked_scan_equals_the_token_by_token_recurrence(chunk, packed):
 
 def test_scan_gradients_equal_the_recurrence_through_jax():
   """The chunked scan's gradient equals that of the same recurrence as a jax loop over tokens."""
-  q, k, v, g, beta = scan_inputs(T=9)
+  q, k, v, g, beta = scan_inputs(T=7, H=2)
   w = np.random.default_rng(1).normal(size=v.shape).astype(np.float32)
 
   def loop(q, k, v, g, beta):
@@ -184,37 +171,33 @@ def test_scan_gradients_equal_the_recurrence_through_jax():
 
 
 def test_chunks_seq_tiles_and_packed_documents_change_nothing(saved):
-  """Logits and every gradient are the same for any chunk and sequence tile (the recurrence lives
-  in the untiled core); packed documents each equal the document alone."""
+  """A DeltaNet block's output and every gradient are the same for another chunk and sequence
+  tiles (the recurrence lives in the untiled core), packed documents included; a row of packed
+  documents gives each document's output alone."""
   cfg, params = mtjax.load_hf(saved)
-  spec = models.spec(cfg)
-  ids = parity.token_ids(cfg.vocab_size, T=13)
-  base = parity.forward(cfg, params, ids)
   other = dataclasses.replace(cfg, linear=dataclasses.replace(cfg.linear, chunk=5))
-  assert_close(parity.forward(other, params, ids), base, name="logits at chunk 5")
-
-  kind = spec.groups[1][1]
+  kind = models.spec(cfg).groups[1][1]
   x = jax.random.normal(jax.random.key(0), (2, 13, cfg.hidden))
   segments = jnp.asarray([[0] * 4 + [1] * 9, [3] * 13])
   positions = jnp.asarray([list(range(4)) + list(range(9)), list(range(13))])
   ctx = Ctx(positions, segments)
 
-  def block_loss(p, x, tile):
-    y, _ = spec.block(kind, "xla", seq_tile=tile).apply({"params": p}, x, ctx)
+  def block_loss(p, x, cfg, tile):
+    y, _ = models.spec(cfg).block(kind, "xla", seq_tile=tile).apply({"params": p}, x, ctx)
     return jnp.sum(y * jnp.cos(jnp.arange(y.size).reshape(y.shape)))
 
-  grad = jax.jit(jax.value_and_grad(block_loss, argnums=(0, 1)), static_argnums=2)
-  want = grad(params["blocks"][0], x, None)
-  assert_trees_close(grad(params["blocks"][0], x, 5), want, name="tiled block")
+  grad = jax.jit(jax.value_and_grad(block_loss, argnums=(0, 1)), static_argnums=(2, 3))
+  assert_trees_close(grad(params["blocks"][0], x, other, 5),
+                     grad(params["blocks"][0], x, cfg, None), name="chunk 5, tiles of 5")
 
-  # rows of two documents against each document alone
-  first, second = ids[:1, :5], ids[1:, :8]
-  packed = np.concatenate([first, second], axis=1)
-  logits = jax.jit(lambda p, i, pos, seg: mtjax.forward(cfg, p, i, positions=pos, segments=seg))(
-      params, packed, jnp.asarray([list(range(5)) + list(range(8))]), jnp.asarray([[0] * 5 + [1] * 8]))
-  alone = np.concatenate([parity.forward(cfg, params, first), parity.forward(cfg, params, second)],
-                         axis=1)
-  assert_close(np.asarray(logits), alone, name="packed documents")
+  # two documents of 6 tokens in a row against the two as rows of their own
+  block = lambda x, ctx: spec_block.apply({"params": params["blocks"][0]}, x, ctx)[0]
+  spec_block = models.spec(cfg).block(kind, "xla")
+  x = x[:, :6]
+  packed = jax.jit(block)(x.reshape(1, 12, -1), Ctx(jnp.tile(jnp.arange(6), 2)[None],
+                                                    jnp.repeat(jnp.arange(2), 6)[None]))
+  assert_close(np.asarray(packed).reshape(2, 6, -1), np.asarray(jax.jit(block)(x, Ctx.default(2, 6))),
+               name="packed documents")
 
 
 def test_planner_counts_the_scan_and_the_parameters():
@@ -229,7 +212,7 @@ def test_planner_counts_the_scan_and_the_parameters():
   assert scan == 2 * a.value_heads * 16 * (64 * 64 * (5 * 8 + 3 * 8) + 6 * 64 * 8 * 8)
   attention = spec.mixer_forward_flops(1, 2, 1000, causal_half=True)
   assert attention == 2 * 4 * 32 * 2 * 1000 * 1001 / 2
-  assert spec.attention_forward_flops(2, 1000, True) == 2 * scan + attention
+  assert spec.attention_forward_flops(2, 1000, True) == scan + attention
 
 
 def config_json(**change):
@@ -297,3 +280,14 @@ def test_multi_token_prediction_tensors_are_not_read_and_others_refused(saved, t
                               bad / "model.safetensors", metadata={"format": "pt"})
   with pytest.raises(hf.HFError, match=rf"{name} has shape \[64, 1, 2\], expected \[64, 1, 3\]"):
     mtjax.load_hf(bad)
+
+
+def test_linear_layers_need_their_section_and_the_chunk_is_a_knob(saved):
+  with pytest.raises(config.ConfigError, match="linear layers need model.linear"):
+    ModelConfig(layers=2, layer_types=("linear", "full"))
+  with pytest.raises(config.ConfigError, match="model.linear.value_heads: 3 is no multiple"):
+    config.LinearAttentionConfig(key_heads=2, value_heads=3)
+  cfg = cli.load_config(None, [f"model.from_hf={saved}", "model.linear.chunk=16"])
+  assert cfg.model.linear.chunk == 16
+  with pytest.raises(config.ConfigError, match="model.linear.key_dim: 4 differs"):
+    cli.load_config(None, [f"model.from_hf={saved}", "model.linear.key_dim=4"])

@@ -99,13 +99,14 @@ def chunked_delta_rule(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxH, beta_BxTxH,
   kb, vb = k * beta[..., None], v * beta[..., None]
   lower = jnp.einsum("bhnik,bhnjk->bhnij", kb, k) * jnp.where(eye, 0.0, decay)
   system = jnp.where(eye, 1.0, lower)
-  solve = lambda rhs: jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True,
-                                                      unit_diagonal=True)
   to_start = jnp.exp(cum) if first is None else jnp.where(first, jnp.exp(cum), 0.0)
   to_end = jnp.exp(cum[..., -1:] - cum)
   to_end = to_end if last is None else jnp.where(last, to_end, 0.0)
-  u = solve(vb)  # the updates were the carried state zero
-  w = solve(kb * to_start[..., None])  # what the carried state takes from them
+  # One solve for both right-hand sides: u, the updates were the carried state zero, and w, what
+  # the carried state takes from them.
+  uw = jax.lax.linalg.triangular_solve(system, jnp.concatenate([vb, kb * to_start[..., None]], -1),
+                                       left_side=True, lower=True, unit_diagonal=True)
+  u, w = uw[..., :Vd], uw[..., Vd:]
   attn = jnp.einsum("bhnik,bhnjk->bhnij", q, k) * decay
   q_start = q * to_start[..., None]
   k_end = k * to_end[..., None]
@@ -120,9 +121,12 @@ def chunked_delta_rule(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxH, beta_BxTxH,
 
   per_chunk = lambda a: jnp.moveaxis(a, 2, 0)  # the scan's axis first
   S0 = jnp.zeros((B, H, Kd, Vd), q.dtype)
-  _, o = jax.lax.scan(step, S0, tuple(per_chunk(a) for a in (u, w, attn, q_start, k_end,
-                                                             jnp.broadcast_to(carry_decay,
-                                                                              cum.shape[:-1]))))
+  xs = tuple(per_chunk(a) for a in (u, w, attn, q_start, k_end,
+                                    jnp.broadcast_to(carry_decay, cum.shape[:-1])))
+  if n == 1:  # one chunk: no loop to compile
+    o = step(S0, tuple(a[0] for a in xs))[1][None]
+  else:
+    _, o = jax.lax.scan(step, S0, xs)
   o = jnp.moveaxis(o, 0, 2).reshape(B, H, n * C, Vd)[:, :, :T]  # [B, H, T, V]
   return jnp.moveaxis(o, 1, 2)
 
