@@ -147,8 +147,9 @@ def test_chunked_scan_equals_the_token_by_token_recurrence(chunk, packed):
 
 def test_chunks_seq_tiles_and_packed_documents_change_nothing(saved):
   """A DeltaNet block's output and every gradient are the same for another chunk (several chunks
-  against the parity tests' one: the scan's gradient across chunks) and sequence tiles (the recurrence lives in the untiled core), packed documents included; a row of packed
-  documents gives each document's output alone."""
+  against the parity tests' one: the scan's gradient across chunks) and sequence tiles (the
+  recurrence lives in the untiled core), packed documents included; a row of packed documents
+  gives each document's output alone."""
   cfg, params = mtjax.load_hf(saved)
   other = dataclasses.replace(cfg, linear=dataclasses.replace(cfg.linear, chunk=5))
   kind = models.spec(cfg).groups[1][1]
@@ -166,13 +167,13 @@ def test_chunks_seq_tiles_and_packed_documents_change_nothing(saved):
                      grad(params["blocks"][0], x, cfg, None), name="chunk 5, tiles of 5")
 
   # two documents of 6 tokens in a row against the two as rows of their own
-  block = lambda x, ctx: spec_block.apply({"params": params["blocks"][0]}, x, ctx)[0]
   spec_block = models.spec(cfg).block(kind, "xla")
+  block = lambda x, ctx: spec_block.apply({"params": params["blocks"][0]}, x, ctx)[0]
   x = x[:, :6]
   packed = jax.jit(block)(x.reshape(1, 12, -1), Ctx(jnp.tile(jnp.arange(6), 2)[None],
                                                     jnp.repeat(jnp.arange(2), 6)[None]))
-  assert_close(np.asarray(packed).reshape(2, 6, -1), np.asarray(jax.jit(block)(x, Ctx.default(2, 6))),
-               name="packed documents")
+  alone = jax.jit(block)(x, Ctx.default(2, 6))
+  assert_close(np.asarray(packed).reshape(2, 6, -1), np.asarray(alone), name="packed documents")
 
 
 def test_planner_counts_the_scan_and_the_parameters():

@@ -59,9 +59,9 @@ def l2_normalize(x):
 
 def chunked_delta_rule(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxH, beta_BxTxH,
                        runs_BxT: jax.Array | None = None, chunk: int = 64) -> jax.Array:
-  """The gated delta rule's outputs [B, T, H, V] (fp32) from a zero state, in chunks of `chunk`
-  tokens; q and k normalised already (q is scaled by K^-0.5 here). A document (a run of `runs`)
-  sees nothing of the ones before it.
+  """The gated delta rule's outputs [B, T, H, V] (fp32 or wider) from a zero state, in chunks of
+  `chunk` tokens; q and k normalised already (q is scaled by K^-0.5 here). A document (a run of
+  `runs`) sees nothing of the ones before it.
 
   Within a chunk, the decay between positions j <= i is exp(cum_i - cum_j) (cum: the running sum
   of g), 0 across a document's start. The chunk's updates d_j = beta_j (v_j - k_j^T S_{j-1})
