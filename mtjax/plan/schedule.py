@@ -65,7 +65,8 @@ def flops(cfg: config_lib.Config) -> dict[str, float]:
   `model`: 6 x active parameters x tokens, the usual count (attention's own matmuls left out; a
   mixture of experts counts the experts a token uses).
   `attention`: those matmuls, scores and values, forward and backward (3 x the forward), counting
-  only the causal pairs a flash kernel computes, and for sliding layers those in the window.
+  only the causal pairs a flash kernel computes, and for sliding layers those in the window; a
+  gated DeltaNet layer's chunked scan in their place (`ModelSpec.mixer_forward_flops`).
   `with_attention`: their sum, the work a long context is judged by."""
   m, t = cfg.model, cfg.train
   spec = models.spec(m)
