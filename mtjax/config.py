@@ -87,6 +87,25 @@ class MLAConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LinearAttentionConfig:
+  """The gated DeltaNet of a model's "linear" layers (Qwen3-Next): a causal depthwise convolution
+  over q/k/v, then the gated delta rule's recurrence over a [key_dim x value_dim] state per head."""
+  key_heads: int = 2  # query/key heads (linear_num_key_heads)
+  value_heads: int = 4  # value heads, a multiple of key_heads; each key head serves value_heads / key_heads of them
+  key_dim: int = 16  # per-head query/key width (linear_key_head_dim)
+  value_dim: int = 16  # per-head value width (linear_value_head_dim)
+  conv_kernel: int = 4  # taps of the causal depthwise convolution (linear_conv_kernel_dim)
+  chunk: int = 64  # tokens per chunk of the chunked scan (the same result for any size; the work is T x chunk)
+
+  def __post_init__(self):
+    _positive(self, "key_heads", "value_heads", "key_dim", "value_dim", "conv_kernel", "chunk",
+              section="model.linear.")
+    if self.value_heads % self.key_heads:
+      raise ConfigError(f"model.linear.value_heads: {self.value_heads} is no multiple of "
+                        f"model.linear.key_heads ({self.key_heads})")
+
+
+@dataclasses.dataclass(frozen=True)
 class RopeConfig:
   """Rotary position embeddings: the base, a frequency scaling rule and its parameters."""
   theta: float = 10000.0  # RoPE base
@@ -140,9 +159,9 @@ def upgrade_model_section(raw_model: dict) -> dict:
   return out
 
 
-# Model keys that say how a mixture trains, not what the model computes: a run may set them on an
-# imported model, and a checkpoint resumes under other values.
-TRAINING_KNOBS = ("aux_loss_coef", "z_loss_coef", "capacity_factor")
+# Model keys that say how a mixture trains or how a DeltaNet's scan is split, not what the model
+# computes: a run may set them on an imported model, and a checkpoint resumes under other values.
+TRAINING_KNOBS = ("aux_loss_coef", "z_loss_coef", "capacity_factor", "chunk")
 
 
 def derived_widths(model: dict) -> dict:
@@ -159,7 +178,7 @@ def derived_widths(model: dict) -> dict:
     m["head_dim"] = None
   return m
 
-LayerType = Literal["full", "sliding", "chunked"]
+LayerType = Literal["full", "sliding", "chunked", "linear"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +202,7 @@ class ModelConfig:
   qk_norm: bool = False  # RMSNorm on q and k before RoPE (Qwen3, Gemma 3, OLMo 2)
   qk_norm_scope: Literal["head", "all", "each_head"] = "head"  # over each head's channels, over the whole projection (OLMo 2), or over each head's channels with a weight per head (Cohere)
   qk_l2_norm: bool = False  # q and k RMS-normalised without a weight after RoPE, in RoPE layers only (Llama 4's use_qk_norm)
-  layer_types: tuple[LayerType, ...] | None = None  # each layer's attention: full, sliding (a window of sliding_window tokens) or chunked (within chunks of attention_chunk tokens); None: all full
+  layer_types: tuple[LayerType, ...] | None = None  # each layer's attention: full, sliding (a window of sliding_window tokens), chunked (within chunks of attention_chunk tokens) or linear (model.linear's gated DeltaNet); None: all full
   sliding_window: int | None = None  # tokens a sliding layer's query sees, itself included
   attention_chunk: int | None = None  # a chunked layer's query sees only keys of its chunk of this many positions (Llama 4's attention_chunk_size)
   nope_layers: tuple[int, ...] = ()  # layers whose attention applies no rotary embedding (NoPE: SmolLM3, Llama 4's and Cohere2's global layers)
@@ -192,6 +211,7 @@ class ModelConfig:
   temperature_floor: int | None = None  # NoPE layers scale q by log(floor((position + 1) / this) + 1) * temperature_scale + 1 (Llama 4's attn_temperature_tuning, floor_scale); None: no scaling
   temperature_scale: float = 0.1  # see temperature_floor (Llama 4's attn_scale)
   attention_sinks: bool = False  # a learned logit per head joins each softmax (GPT-OSS)
+  attn_output_gate: bool = False  # q_proj also gives a gate per head and channel: sigmoid(gate) scales the attention output (Qwen3-Next)
   rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)  # rotary position embeddings (model.rope)
   norm_eps: float = 1e-5  # the norms' epsilon
   norm_kind: Literal["rms", "layer"] = "rms"  # RMSNorm, or LayerNorm without a bias (mean subtracted: Cohere)
@@ -210,6 +230,7 @@ class ModelConfig:
   logit_scale: float = 1.0  # multiplies the final logits (Cohere's logit_scale)
   moe: MoEConfig | None = None  # a mixture-of-experts feed-forward in the MoE layers
   mla: MLAConfig | None = None  # multi-head latent attention instead of GQA (DeepSeek)
+  linear: LinearAttentionConfig | None = None  # the gated DeltaNet of the "linear" layers (Qwen3-Next)
   init_std: float = 0.02  # std of the normal init of every matrix
 
   def __post_init__(self):
@@ -245,6 +266,8 @@ class ModelConfig:
                           f"{self.layers} layers")
       if "sliding" in self.layer_types and self.sliding_window is None:
         raise ConfigError("model.layer_types: sliding layers need model.sliding_window")
+      if "linear" in self.layer_types and self.linear is None:
+        raise ConfigError("model.layer_types: linear layers need model.linear")
       if "chunked" in self.layer_types and self.attention_chunk is None:
         raise ConfigError("model.layer_types: chunked layers need model.attention_chunk")
     if self.parallel_block and self.norm_position != "pre":
@@ -262,6 +285,9 @@ class ModelConfig:
     if self.nope_layers and self.mla is not None:
       raise ConfigError("model.nope_layers: multi-head latent attention always rotates its RoPE "
                         "channels")
+    if self.attn_output_gate and (self.mla is not None or self.qk_norm_scope == "all"):
+      raise ConfigError("model.attn_output_gate: takes GQA attention with per-head q/k norms, not "
+                        "model.mla or qk_norm_scope all")
     rope = self.rope
     if rope.scaling == "longrope":
       half = self.rotary_dim // 2

@@ -1,6 +1,7 @@
 """What the mixture-of-experts families check beyond tests/parity.py: every token's routing and the
 load-balancing loss against transformers'."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -51,6 +52,6 @@ def check_aux_loss(cfg, params, want: parity.TorchResult, coef: float):
   the training loss adds it weighted by config.json's router_aux_loss_coef."""
   assert cfg.moe.aux_loss_coef == coef
   inputs = parity.token_ids(cfg.vocab_size, 2, 13)[:, :-1]  # check_logits_and_gradients'
-  _, aux, metrics = mtjax.forward(cfg, params, inputs, aux=True)
+  _, aux, metrics = jax.jit(lambda p: mtjax.forward(cfg, p, inputs, aux=True))(params)
   assert_close(float(metrics["load_balance"]), want.aux, name="load-balancing loss")
   assert_close(float(aux), coef * want.aux, name="weighted auxiliary loss")

@@ -155,9 +155,15 @@ def mtjax_loss_and_grads(cfg, params, inputs, targets):
   return float(loss), mtjax.to_hf_names(cfg, grads)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(cfg, params, ids):
+  return mtjax.forward(cfg, params, ids)
+
+
 def forward(cfg, params, ids):
-  """`mtjax.forward`'s logits, jitted (one compile)."""
-  return np.asarray(jax.jit(lambda p, i: mtjax.forward(cfg, p, i))(params, jnp.asarray(ids)))
+  """`mtjax.forward`'s logits, jitted (one compile per config and shape: the parity check, each
+  feature's base and the export's check share one)."""
+  return np.asarray(_forward(cfg, params, jnp.asarray(ids)))
 
 
 def check_logits_and_gradients(directory: Path, aux_coef: float = 0.0, B: int = 2, T: int = 12):

@@ -19,7 +19,7 @@ LAYERS = [
     ["mtjax.config", "mtjax.exits"],
     ["mtjax.layout", "mtjax.attention", "mtjax.data", "mtjax.quantize"],
     ["mtjax.models.registry", "mtjax.models.layers", "mtjax.models.grouped"],
-    ["mtjax.models.moe", "mtjax.models.mla", "mtjax.models.common"],
+    ["mtjax.models.moe", "mtjax.models.mla", "mtjax.models.deltanet", "mtjax.models.common"],
     ["mtjax.models.block", *FAMILY_MODULES],  # each family module, as the registry finds them
     ["mtjax.models.spec", "mtjax.models"],
     ["mtjax.hf", "mtjax.optimizer", "mtjax.dpo", "mtjax.objectives", "mtjax.config_reference"],

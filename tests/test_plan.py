@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jax
 import pytest
-from hypothesis import given, settings, strategies as hst
+from hypothesis import assume, given, settings, strategies as hst
 
 from mtjax import config, exits, launch, models, plan, store as store_lib, train
 from mtjax.plan import __main__ as plan_cli
@@ -639,15 +639,21 @@ MLAS = hst.one_of(hst.none(), hst.builds(config.MLAConfig, kv_lora_rank=hst.samp
            {k: hst.booleans() for k in ("qkv_bias", "o_bias", "qk_norm", "attention_sinks",
                                         "mlp_bias", "tie_embeddings")}),
        scope=hst.sampled_from(["head", "all"]), norms=hst.sampled_from(["pre", "sandwich", "post"]),
-       moe=MOES, mla=MLAS)
+       moe=MOES, mla=MLAS, gate=hst.booleans(), linear=hst.one_of(hst.none(), hst.builds(
+           config.LinearAttentionConfig, key_heads=hst.sampled_from([1, 2]),
+           value_heads=hst.just(2), conv_kernel=hst.sampled_from([2, 4]))))
 @settings(max_examples=30)  # shapes only (no compile): cheap
 def test_the_arithmetic_count_is_the_layouts(layers, heads, kv, head_dim, flags, scope, norms, moe,
-                                             mla):
+                                             mla, gate, linear):
   """`plan.count_params` (arithmetic on the config, what the size refusal prints) against the
   parameters of the layouts the model is built from, over drawn options of every block part."""
+  assume(moe is None or moe.first_dense_layers <= layers)
+  gate = gate and mla is None and scope == "head"
+  types = None if linear is None else tuple("linear" if i % 2 else "full" for i in range(layers))
   m = config.ModelConfig(vocab_size=64, hidden=32, layers=layers, heads=heads, kv_heads=kv,
                          head_dim=head_dim, ffn=40, qk_norm_scope=scope, norm_position=norms,
-                         moe=moe, mla=mla, **flags)
+                         moe=moe, mla=mla, attn_output_gate=gate, linear=linear,
+                         layer_types=types, **flags)
   assert plan.count_params(m) == plan.param_counts(m)["total"]
 
 

@@ -1,5 +1,6 @@
-"""One decoder layer, the template every block kind compiles: attention (GQA or multi-head latent)
-and a feed-forward (the dense gated MLP or a mixture of experts) with residuals and norms."""
+"""One decoder layer, the template every block kind compiles: a token mixer (GQA or multi-head
+latent attention, or a gated DeltaNet) and a feed-forward (the dense gated MLP or a mixture of
+experts) with residuals and norms."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from mtjax.config import ModelConfig
-from mtjax.models import mla, moe
+from mtjax.models import deltanet, mla, moe
 from mtjax.models.layers import MLP, Attention, BlockKind, Ctx, layer_segments, norm_layer
 
 
@@ -18,9 +19,10 @@ class Block(nn.Module):
   only, OLMo 2). A parallel block (Cohere) feeds attention and MLP the one input norm and adds both
   to the residual. Returns (output, auxiliary sums).
 
-  With `seq_tile`, everything but the attention core (which is blockwise already, or [T x T]
-  anyway) runs `seq_tile` tokens at a time, each tile recomputed in the backward: the input norm
-  and q/k/v projections before it, the output projection, MLP and residuals after it. A layer's
+  With `seq_tile`, everything but the mixer's core (attention, which is blockwise already, or
+  [T x T] anyway; a DeltaNet's convolution and recurrence, which carry state along the sequence)
+  runs `seq_tile` tokens at a time, each tile recomputed in the backward: the input norm and
+  q/k/v projections before it, the output projection, MLP and residuals after it. A layer's
   working set is then bounded by the tile, not by T x ffn. Same parameters either way.
   """
   cfg: ModelConfig
@@ -38,7 +40,9 @@ class Block(nn.Module):
       self.attn_norm, self.mlp_norm = norm(), norm()
     if cfg.norm_position != "pre":
       self.post_attn_norm, self.post_mlp_norm = norm(), norm()
-    if cfg.mla is not None:
+    if self.kind.layer_type == "linear":
+      self.attn = deltanet.GatedDeltaNet(cfg)
+    elif cfg.mla is not None:
       self.attn = mla.LatentAttention(cfg, self.kind.layer_type, self.implementation)
     else:
       self.attn = Attention(cfg, self.kind.layer_type, self.implementation, self.kind.rope)
@@ -78,8 +82,8 @@ class Block(nn.Module):
   def __call__(self, x_BxTxD, ctx: Ctx | None = None):
     B, T, _ = x_BxTxD.shape
     ctx = Ctx.default(B, T) if ctx is None else ctx
-    q, k, v = self._per_token(Block._qkv, x_BxTxD, *self.attn.rope(ctx.positions))
-    a_BxTxE = self.attn.core(q, k, v, layer_segments(self.cfg, self.kind.layer_type, ctx))
+    qkv = self._per_token(Block._qkv, x_BxTxD, *self.attn.rope(ctx.positions))
+    a_BxTxE = self.attn.core(qkv, layer_segments(self.cfg, self.kind.layer_type, ctx))
     valid_BxT = jnp.ones((B, T), jnp.float32)
     y, aux = self._per_token(Block._out, x_BxTxD, a_BxTxE, valid_BxT, sums=True)
     return y, aux

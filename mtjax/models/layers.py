@@ -26,7 +26,7 @@ from mtjax.config import ModelConfig, RopeConfig
 @dataclasses.dataclass(frozen=True)
 class BlockKind:
   """What distinguishes one layer kind from another: one compiled executable per kind."""
-  layer_type: str = "full"  # full attention, a sliding window, or chunks
+  layer_type: str = "full"  # full attention, a sliding window, chunks, or linear (a gated DeltaNet)
   moe: bool = False  # a mixture-of-experts feed-forward instead of the dense MLP
   rope: bool = True  # the attention rotates q and k (False: NoPE)
 
@@ -334,7 +334,8 @@ class Attention(nn.Module):
   Options from the config: q/k/v (and o) biases, q/k norms per head (a weight per head or one for
   all) or over the whole projection, or without a weight after RoPE, a sliding window for sliding
   layers, logit soft-capping, a logit scale, attention sinks, no rotary embedding (NoPE layers),
-  with a query temperature by position there.
+  with a query temperature by position there, an output gate (q_proj's outputs are, per head, its
+  query then its gate).
   """
   cfg: ModelConfig
   layer_type: str = "full"
@@ -344,7 +345,7 @@ class Attention(nn.Module):
   def setup(self):
     cfg = self.cfg
     H, K, hd = cfg.heads, cfg.n_kv_heads, cfg.dim_per_head
-    self.q = dense(H * hd, bias=cfg.qkv_bias)
+    self.q = dense(H * hd * (2 if cfg.attn_output_gate else 1), bias=cfg.qkv_bias)
     self.k = dense(K * hd, bias=cfg.qkv_bias)
     self.v = dense(K * hd, bias=cfg.qkv_bias)
     self.o = dense(cfg.hidden, bias=cfg.o_bias)
@@ -363,11 +364,16 @@ class Attention(nn.Module):
     return rope_tables(self.cfg, positions_BxT, self.layer_type)
 
   def qkv(self, x_BxTxD, *tables):
-    """Queries, keys and values with RoPE applied; each token's from its own input alone."""
+    """Queries, keys and values with RoPE applied (and the output gate [B, T, N * H] with
+    `attn_output_gate`); each token's from its own input alone."""
     cfg = self.cfg
     B, T, _ = x_BxTxD.shape
     H, K, hd = cfg.heads, cfg.n_kv_heads, cfg.dim_per_head
     q, k, v = self.q(x_BxTxD), self.k(x_BxTxD), self.v(x_BxTxD)
+    gate = ()
+    if cfg.attn_output_gate:
+      q_and_gate = q.reshape(B, T, H, 2 * hd)
+      q, gate = q_and_gate[..., :hd], (q_and_gate[..., hd:].reshape(B, T, H * hd),)
     if cfg.qk_norm and cfg.qk_norm_scope == "all":  # OLMo 2: over the whole projection
       q, k = self.q_norm(q), self.k_norm(k)
     q, k, v = q.reshape(B, T, H, hd), k.reshape(B, T, K, hd), v.reshape(B, T, K, hd)
@@ -376,22 +382,25 @@ class Attention(nn.Module):
     if not self.rotary:
       if tables:  # the temperature
         q = (q * tables[0]).astype(q.dtype)
-      return q, k, v
+      return (q, k, v, *gate)
     interleaved = cfg.rope.interleave
     q, k = apply_rope(q, *tables, interleaved), apply_rope(k, *tables, interleaved)
     if cfg.qk_l2_norm:
       q, k = l2_norm(q, cfg.norm_eps), l2_norm(k, cfg.norm_eps)
-    return q, k, v
+    return (q, k, v, *gate)
 
-  def core(self, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segments_BxT):
-    """Attention over the sequence: [B, T, N * H], before the output projection."""
+  def core(self, qkv, segments_BxT):
+    """Attention over the sequence of `qkv`'s queries, keys and values (gated by its gate):
+    [B, T, N * H], before the output projection."""
     cfg = self.cfg
+    q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *gate = qkv
     B, T, N, _ = q_BxTxNxH.shape
     window = cfg.sliding_window if self.layer_type == "sliding" else None
     out = attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segments_BxT,
                  implementation=self.implementation, window=window, softcap_=cfg.attn_softcap,
                  scale=cfg.query_scale, sinks_N=self.sinks if cfg.attention_sinks else None)
-    return out.reshape(B, T, -1)
+    out = out.reshape(B, T, -1)
+    return out * jax.nn.sigmoid(gate[0]).astype(out.dtype) if gate else out
 
   def out(self, a_BxTxE):
     return self.o(a_BxTxE)
@@ -399,7 +408,7 @@ class Attention(nn.Module):
   def __call__(self, x_BxTxD, ctx: Ctx | None = None):
     B, T, _ = x_BxTxD.shape
     ctx = Ctx.default(B, T) if ctx is None else ctx
-    return self.out(self.core(*self.qkv(x_BxTxD, *self.rope(ctx.positions)),
+    return self.out(self.core(self.qkv(x_BxTxD, *self.rope(ctx.positions)),
                               layer_segments(self.cfg, self.layer_type, ctx)))
 
 

@@ -77,8 +77,10 @@ class LatentAttention(nn.Module):
         [kv_BxTxNxE[..., :Dn], jnp.broadcast_to(k_rope_BxTx1xR, (B, T, N, Dr))], axis=-1)
     return q_BxTxNxQ, k_BxTxNxQ, kv_BxTxNxE[..., Dn:]
 
-  def core(self, q_BxTxNxQ, k_BxTxNxQ, v_BxTxNxV, segments_BxT):
-    """Attention over the sequence: [B, T, N * Dv], before the output projection."""
+  def core(self, qkv, segments_BxT):
+    """Attention over the sequence of `qkv`'s queries, keys and values: [B, T, N * Dv], before
+    the output projection."""
+    q_BxTxNxQ, k_BxTxNxQ, v_BxTxNxV = qkv
     B, T = q_BxTxNxQ.shape[:2]
     out = attend(q_BxTxNxQ, k_BxTxNxQ, v_BxTxNxV, segments_BxT, implementation=self.implementation,
                  window=self.cfg.sliding_window if self.layer_type == "sliding" else None,
@@ -91,4 +93,4 @@ class LatentAttention(nn.Module):
   def __call__(self, x_BxTxD, ctx: Ctx | None = None):
     B, T, _ = x_BxTxD.shape
     ctx = Ctx.default(B, T) if ctx is None else ctx
-    return self.out(self.core(*self.qkv(x_BxTxD, *self.rope(ctx.positions)), ctx.segments))
+    return self.out(self.core(self.qkv(x_BxTxD, *self.rope(ctx.positions)), ctx.segments))

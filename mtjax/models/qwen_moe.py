@@ -29,7 +29,7 @@ _EXPERTS = {"qwen2_moe": (("num_experts",), 60),
             "qwen3_moe": (("num_local_experts", "num_experts"), 128)}
 
 
-def _sparse_layers(r: Reader, layers: int) -> dict:
+def sparse_layers(r: Reader, layers: int) -> dict:
   """decoder_sparse_step and mlp_only_layers as MoEConfig fields."""
   step = r.positive("decoder_sparse_step")
   dense = r.opt("mlp_only_layers", [])
@@ -63,7 +63,7 @@ def _read(family: str):
     act = r.act("hidden_act", {"silu": "silu"})
     fields = dict(r.shape(), **r.rope(), mlp_act=act)
     layers = fields["layers"]
-    moe = dict(norm_topk_prob=bool(r.opt("norm_topk_prob")), **_sparse_layers(r, layers))
+    moe = dict(norm_topk_prob=bool(r.opt("norm_topk_prob")), **sparse_layers(r, layers))
     if family == "qwen2_moe":
       fields["qkv_bias"] = bool(r.opt("qkv_bias"))
       moe.update(shared_experts=1, shared_ffn=r.positive("shared_expert_intermediate_size"),

@@ -12,7 +12,7 @@ import numpy as np
 
 from mtjax.config import ModelConfig
 from mtjax.layout import Layout
-from mtjax.models import moe
+from mtjax.models import deltanet, moe
 from mtjax.models.block import Block
 from mtjax.models.layers import Embed, Head, block_kind
 from mtjax.models.registry import Family, get
@@ -88,10 +88,17 @@ class ModelSpec:
       return m.heads, m.mla.qk_nope_dim + m.mla.qk_rope_dim, m.mla.v_dim
     return m.heads, m.dim_per_head, m.dim_per_head
 
-  def attention_forward_flops(self, batch: int, seq: int, causal_half: bool) -> float:
-    """All blocks' attention matmuls (scores and values) in the forward."""
+  def mixer_forward_flops(self, layer: int, batch: int, seq: int, causal_half: bool) -> float:
+    """One layer's matmuls along the sequence in the forward, beside its parameters': attention's
+    scores and values over its (query, key) pairs, or a gated DeltaNet's chunked scan."""
+    if self.cfg.layer_type(layer) == "linear":
+      return deltanet.scan_flops(self.cfg, batch, seq)
     N, dqk, dv = self.attention_widths
-    return sum(2 * N * (dqk + dv) * self.attention_pairs(i, batch, seq, causal_half)
+    return 2 * N * (dqk + dv) * self.attention_pairs(layer, batch, seq, causal_half)
+
+  def attention_forward_flops(self, batch: int, seq: int, causal_half: bool) -> float:
+    """All blocks' matmuls along the sequence (`mixer_forward_flops`) in the forward."""
+    return sum(self.mixer_forward_flops(i, batch, seq, causal_half)
                for i in range(self.cfg.layers))
 
   def aux_loss(self, sums: list[dict]):
@@ -110,10 +117,12 @@ class ModelSpec:
   def init_value(self, path: tuple[str, ...]) -> str:
     """How a parameter starts: "normal" (N(0, init_std)), "ones" or "zeros"."""
     leaf = path[-1]
-    if leaf == "scale":
-      return "zeros" if self.cfg.norm_offset else "ones"
-    if leaf in ("bias", "sinks", "e_bias"):
+    if leaf == "scale":  # a DeltaNet's gated norm scales by w in every family
+      return "zeros" if self.cfg.norm_offset and path[-2] != "out_norm" else "ones"
+    if leaf in ("bias", "sinks", "e_bias", "A_log"):  # A_log 0: a decay rate of 1 per step
       return "zeros"
+    if leaf == "dt_bias":
+      return "ones"
     return "normal"
 
 

@@ -24,6 +24,7 @@ def count_params(m: config_lib.ModelConfig) -> int:
   if m.mla is None:
     q, kv = H * m.dim_per_head, m.n_kv_heads * m.dim_per_head
     attn = 2 * D * q + 2 * D * kv + (q + 2 * kv) * m.qkv_bias + D * m.o_bias + H * m.attention_sinks
+    attn += (D * q + q * m.qkv_bias) * m.attn_output_gate  # q_proj's gate half
     if m.qk_norm:
       attn += 2 * m.dim_per_head if m.qk_norm_scope == "head" else q + kv
   else:
@@ -47,8 +48,15 @@ def count_params(m: config_lib.ModelConfig) -> int:
     first = min(e.first_dense_layers, m.layers)
     moe_layers = m.layers // e.every - first // e.every - len(
         {i for i in e.dense_layers if first <= i < m.layers and (i + 1) % e.every == 0})
+  linear = 0  # a gated DeltaNet's parameters beyond the attention it replaces
+  if m.layer_types is not None and "linear" in m.layer_types:
+    a = m.linear
+    kd, vd, Hv = a.key_heads * a.key_dim, a.value_heads * a.value_dim, a.value_heads
+    net = D * (2 * kd + 2 * vd) + 2 * D * Hv + (2 * kd + vd) * a.conv_kernel + 2 * Hv
+    net += a.value_dim + vd * D  # the gated norm, out_proj
+    linear = m.layer_types.count("linear") * (net - attn)
   head = D + (0 if m.tie_embeddings else D * V)
-  return V * D + (m.layers - moe_layers) * block + moe_layers * moe_block + head
+  return V * D + (m.layers - moe_layers) * block + moe_layers * moe_block + linear + head
 
 
 def flops(cfg: config_lib.Config) -> dict[str, float]:
@@ -57,7 +65,8 @@ def flops(cfg: config_lib.Config) -> dict[str, float]:
   `model`: 6 x active parameters x tokens, the usual count (attention's own matmuls left out; a
   mixture of experts counts the experts a token uses).
   `attention`: those matmuls, scores and values, forward and backward (3 x the forward), counting
-  only the causal pairs a flash kernel computes, and for sliding layers those in the window.
+  only the causal pairs a flash kernel computes, and for sliding layers those in the window; a
+  gated DeltaNet layer's chunked scan in their place (`ModelSpec.mixer_forward_flops`).
   `with_attention`: their sum, the work a long context is judged by."""
   m, t = cfg.model, cfg.train
   spec = models.spec(m)

@@ -530,7 +530,7 @@ def _compute(cfg: config_lib.Config, spec: models.ModelSpec, g: _Groups, shape: 
   m, e, t = cfg.model, cfg.engine, cfg.train
   L, D, V, nd, G = m.layers, m.hidden, m.vocab_size, g.devices, shape.passes
   tokens = t.batch * t.seq
-  N, dqk, dv = spec.attention_widths
+  dqk = spec.attention_widths[1]
   # Each layer's attention kernel (as the engine picks it) and its rate on the causal pairs.
   if rates.accelerator:
     attn_rate = [rates.attention_tflops * kernel_efficiency(k, dqk)
@@ -538,12 +538,15 @@ def _compute(cfg: config_lib.Config, spec: models.ModelSpec, g: _Groups, shape: 
     causal_pairs = True
   else:  # the CPU backend: XLA's scores whole, plain matmuls at the matmul rate
     attn_rate, causal_pairs = [rates.matmul_tflops] * L, False
+  # a gated DeltaNet's chunked scan is plain (small) matmuls
+  attn_rate = [rates.matmul_tflops if m.layer_type(i) == "linear" else rate
+               for i, rate in enumerate(attn_rate)]
   seconds = lambda matmul, attn: (matmul / rates.matmul_tflops + attn) / (nd * 1e12)
   # each block's matrix parameters a token uses, and its attention in the forward: FLOPs / rate
   kinds = [k for _, k in spec.groups]
   block_matmul = [spec.matmul_params(kinds[i + 1]) for i in range(L)]
-  attn_fwd = [2 * N * (dqk + dv) * spec.attention_pairs(i, t.batch, t.seq, causal_pairs)
-              / attn_rate[i] for i in range(L)]
+  attn_fwd = [spec.mixer_forward_flops(i, t.batch, t.seq, causal_pairs) / attn_rate[i]
+              for i in range(L)]
   # the LM head: forward and backward, and the objective's extra forwards (dpo: one, first)
   head_flops = (6 + 2 * objectives.get(t).head_forwards) * D * V * tokens
   # its memory traffic: the logits' passes, and each chunk's pass over the head's weights (every
