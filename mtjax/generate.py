@@ -13,7 +13,8 @@ Prompts are left-padded to one length: padding is never a key, and each row's Ro
 count from its first real token. The prefill and the decode step are each compiled once per
 (batch, prompt length, cache length); every decoded token reuses the one compiled step. Sampling
 follows transformers' order: repetition penalty, temperature, top-k, top-p, min-p; temperature 0
-is greedy. One PRNG key per decoded token, split from the seed's key in `generate`.
+is greedy. One PRNG key per decoded token, split from the seed's key in `generate`. Prompt and
+cache lengths are bucketed (`bucket`), so nearby lengths reuse the compiled programs.
 """
 
 from __future__ import annotations
@@ -164,10 +165,11 @@ def cached_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, q_pos_BxT, k_pos_BxS, k_va
 
 def inference_config(cfg: ModelConfig) -> ModelConfig:
   """The model as generation runs it: a mixture dropless (a capacity limit is a training knob,
-  its drops depending on the batch; transformers routes every token)."""
+  its drops depending on the batch; transformers routes every token), and no source directory
+  (the same model from anywhere shares the compiled programs)."""
   if cfg.moe is not None and cfg.moe.capacity_factor is not None:
-    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=None))
-  return cfg
+    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=None))
+  return dataclasses.replace(cfg, from_hf=None)
 
 
 def _run_blocks(cfg, params, x_BxTxD, positions_BxT, valid_BxT, cache: KVCache, dtype):
@@ -238,19 +240,24 @@ def decode(cfg: ModelConfig, params, cache: KVCache, tokens_B, positions_B, *, d
   return _logits(cfg, params, x[:, 0], dtype), cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dtype"), donate_argnames=("cache",))
-def _step(cfg, params, cache, key, logits_BxV, seen_BxV, positions_B, knobs, *, dtype):
-  """Choose each row's next token from `logits_BxV`, then decode it: one compiled program per
-  shape, whatever the sampling settings (they are traced)."""
+@jax.jit
+def _choose(key, logits_BxV, seen_BxV, knobs):
+  """Each row's next token, and the tokens seen with it: one compiled program per shape, whatever
+  the sampling settings (they are traced)."""
   tokens_B = choose(key, logits_BxV, seen_BxV, knobs)
-  seen_BxV = seen_BxV.at[jnp.arange(tokens_B.shape[0]), tokens_B].set(True)
-  logits_BxV, cache = decode(cfg, params, cache, tokens_B, positions_B, dtype=dtype)
-  return tokens_B, logits_BxV, seen_BxV, cache
+  return tokens_B, seen_BxV.at[jnp.arange(tokens_B.shape[0]), tokens_B].set(True)
+
+
+def bucket(n: int) -> int:
+  """A length rounded up to a multiple of 8 (of 64 past 64 tokens): prompts and caches of nearby
+  lengths share one compiled prefill and decode step."""
+  step = 8 if n <= 64 else 64
+  return -(-n // step) * step
 
 
 def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
-  """(ids [B, P], valid [B, P]) of ragged prompts, right-aligned."""
-  P = max(len(p) for p in prompts)
+  """(ids [B, P], valid [B, P]) of ragged prompts, right-aligned in `bucket(longest)` columns."""
+  P = bucket(max(len(p) for p in prompts))
   ids = np.full((len(prompts), P), pad_id, np.int32)
   valid = np.zeros((len(prompts), P), bool)
   for i, p in enumerate(prompts):
@@ -305,14 +312,15 @@ def generate(cfg: ModelConfig, params: dict, prompts, *, max_new_tokens: int,
   seen = jnp.asarray(seen)
   start = time.perf_counter()
   logits, cache = prefill(cfg, params, jnp.asarray(ids), jnp.asarray(valid),
-                          slots=ids.shape[1] + max_new_tokens, dtype=dtype)
+                          slots=bucket(ids.shape[1] + max_new_tokens), dtype=dtype)
   positions = jnp.asarray(valid.sum(1), jnp.int32)
   out: list[list[int]] = [[] for _ in prompts]
   done = np.zeros(B, bool)
   eos = set(int(e) for e in eos_ids)
   for t in range(max_new_tokens):
-    tokens, logits, seen, cache = _step(cfg, params, cache, keys[t], logits, seen, positions + t,
-                                        knobs, dtype=dtype)
+    tokens, seen = _choose(keys[t], logits, seen, knobs)
+    if t + 1 < max_new_tokens:  # the last token's successor is never asked for
+      logits, cache = decode(cfg, params, cache, tokens, positions + t, dtype=dtype)
     for i, tok in enumerate(np.asarray(tokens).tolist()):
       if done[i]:
         continue
@@ -330,9 +338,13 @@ def generate(cfg: ModelConfig, params: dict, prompts, *, max_new_tokens: int,
 # ---------------------------------------------------------------------------------------- the CLI
 
 
+class _Usage(ValueError):
+  """A command line argparse refuses."""
+
+
 class _Parser(argparse.ArgumentParser):
-  def error(self, message):  # a usage error is bad input: one line, exit 2
-    sys.exit(exits.fail("error", message, exits.BAD_INPUT))
+  def error(self, message):  # a usage error is bad input: one line, exit 2 (main prints it)
+    raise _Usage(message)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -412,9 +424,8 @@ def generation_defaults(model: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-  args = parser().parse_args(argv)
   try:
-    return _main(args)
+    return _main(parser().parse_args(argv))
   except (ValueError, OSError, KeyError) as e:
     return exits.fail("error", e, exits.of_os_error(e) if isinstance(e, OSError)
                       else exits.BAD_INPUT)
