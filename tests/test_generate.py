@@ -46,13 +46,14 @@ DEEPSEEK = dict(S, hidden_size=64, moe_intermediate_size=32, first_k_dense_repla
                 rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0,
                                      original_max_position_embeddings=64, mscale=0.707,
                                      mscale_all_dim=1.0, beta_fast=32, beta_slow=1))
-# Every family's tiny config (windows of 3-5 in sequences of 14 tokens).
+ONE = {"num_hidden_layers": 1}  # a family whose layers are all of one kind: one is enough here
+# Every family's tiny config (windows of 3-5 in sequences of 16 tokens).
 CONFIGS = {
     "llama": lambda: T.LlamaConfig(**S),
-    "mistral": lambda: T.MistralConfig(**S, sliding_window=4),
+    "mistral": lambda: T.MistralConfig(**{**S, **ONE}, sliding_window=4),
     "qwen2": lambda: T.Qwen2Config(**S, use_sliding_window=True, sliding_window=3,
                                    max_window_layers=1),
-    "qwen3": lambda: T.Qwen3Config(**S, head_dim=8),
+    "qwen3": lambda: T.Qwen3Config(**{**S, **ONE}, head_dim=8),
     "gemma2": lambda: T.Gemma2Config(**GEMMA, attn_logit_softcapping=3.0,
                                      final_logit_softcapping=4.0),
     "gemma3": lambda: T.Gemma3TextConfig(
@@ -71,21 +72,23 @@ CONFIGS = {
         rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0,
                              truncate=False, original_max_position_embeddings=32,
                              rope_theta=150000.0), max_position_embeddings=128),
-    "mixtral": lambda: T.MixtralConfig(**{**S, "intermediate_size": 24}, **MOE, sliding_window=5),
+    "mixtral": lambda: T.MixtralConfig(**{**S, **ONE, "intermediate_size": 24}, **MOE,
+                                       sliding_window=5),
     "qwen2_moe": lambda: T.Qwen2MoeConfig(
         **S, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
         shared_expert_intermediate_size=24, mlp_only_layers=[0], use_sliding_window=True,
         sliding_window=5, max_window_layers=2),
-    "qwen3_moe": lambda: T.Qwen3MoeConfig(**S, moe_intermediate_size=16, num_experts=4,
+    "qwen3_moe": lambda: T.Qwen3MoeConfig(**{**S, **ONE}, moe_intermediate_size=16, num_experts=4,
                                           num_experts_per_tok=2, norm_topk_prob=True),
-    "deepseek_v2": lambda: T.DeepseekV2Config(**{**DEEPSEEK, "topk_group": 1}, q_lora_rank=None,
+    "deepseek_v2": lambda: T.DeepseekV2Config(**{**DEEPSEEK, **ONE, "topk_group": 1,
+                                                 "first_k_dense_replace": 0}, q_lora_rank=None,
                                               n_shared_experts=2, routed_scaling_factor=1.5,
                                               topk_method="group_limited_greedy"),
     "deepseek_v3": lambda: T.DeepseekV3Config(**DEEPSEEK, q_lora_rank=24, n_shared_experts=1,
                                               routed_scaling_factor=2.5, norm_topk_prob=True),
-    "olmo2": lambda: T.Olmo2Config(**S, rms_norm_eps=1e-6),
+    "olmo2": lambda: T.Olmo2Config(**{**S, **ONE}, rms_norm_eps=1e-6),
     "phi3": lambda: T.Phi3Config(
-        **{**S, "hidden_size": 64}, tie_word_embeddings=True, partial_rotary_factor=0.75,
+        **{**S, **ONE, "hidden_size": 64}, tie_word_embeddings=True, partial_rotary_factor=0.75,
         sliding_window=5, original_max_position_embeddings=64, max_position_embeddings=256,
         rope_scaling={"type": "longrope", "short_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0],
                       "long_factor": [4.0, 7.0, 11.0, 19.0, 30.0, 50.0]}),
@@ -134,6 +137,8 @@ def cached_logits(cfg, params, ids, valid, prompt_len: int) -> np.ndarray:
 
 # The shapes `mtjax.generate` compiles for PROMPTS and NEW (2 rows, 8 prompt columns, 16 slots):
 # the equivalence, greedy and ragged tests share the compiled programs.
+# Checkpoint seeds other than 3: at 3 these families' transformers logits come within TIE_GAP.
+SEEDS = {"qwen2": 4}
 PROMPTS = ([5, 17, 3, 40, 22, 9, 30, 12], [33, 2, 61, 7, 19])  # the second left-padded by 3
 NEW = 8  # 8 + 8 tokens: past every window (3-5)
 
@@ -172,7 +177,7 @@ def checkpoints(tmp_path_factory):
   def get(family):
     if family not in made:
       d = tmp_path_factory.mktemp(family)
-      made[family] = d, parity.save_tiny(CONFIGS[family](), d, seed=3)
+      made[family] = d, parity.save_tiny(CONFIGS[family](), d, seed=SEEDS.get(family, 3))
     return made[family]
   return get
 
@@ -273,14 +278,14 @@ def test_draws_follow_the_filtered_tempered_softmax():
   x = jnp.asarray(np.random.default_rng(1).normal(size=(1, 10)).astype(np.float32))
   seen = jnp.zeros((1, 10), bool).at[0, 2].set(True)
   knobs = gen._knobs(gen.Sampling(0.7, 6, 0.95, 0.02, 1.2))
-  p = np.asarray(jax.nn.softmax(gen.next_logits(x, seen, knobs)))[0]
+  p = np.asarray(jax.nn.softmax(jax.jit(gen.next_logits)(x, seen, knobs)))[0]
   want = reference_filter(np.asarray(gen.penalize(x, seen, 1.2)) / 0.7, 6, 0.95, 0.02)[0]
   np.testing.assert_array_equal(p > 0, np.isfinite(want))
   np.testing.assert_allclose(p, np.exp(want - want.max()) / np.exp(want - want.max()).sum(),
                              rtol=1e-5, atol=1e-7)
   n = 20000  # one row repeated: each row's draw is its own
-  draws = np.asarray(gen.choose(jax.random.key(0), jnp.broadcast_to(x, (n, 10)),
-                                jnp.broadcast_to(seen, (n, 10)), knobs))
+  draws = np.asarray(jax.jit(gen.choose)(jax.random.key(0), jnp.broadcast_to(x, (n, 10)),
+                                         jnp.broadcast_to(seen, (n, 10)), knobs))
   freq = np.bincount(draws, minlength=10) / draws.size
   assert np.all(freq[p == 0] == 0)
   assert np.all(np.abs(freq - p) <= 4 * np.sqrt(p * (1 - p) / draws.size) + 1e-12), (freq, p)
