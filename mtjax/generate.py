@@ -282,7 +282,9 @@ def generate(cfg: ModelConfig, params: dict, prompts, *, max_new_tokens: int,
     temperature, top_k, top_p, min_p, repetition_penalty: `Sampling`'s (temperature 0: greedy).
     seed: the PRNG seed of the draws (unused when greedy).
     dtype: the weights' and activations' dtype in the layers (bfloat16 for speed).
-    stats: filled with "prompt_tokens", "new_tokens" and "seconds" of the decode loop.
+    stats: filled with "prompt_tokens", "new_tokens" and "seconds" (prefill and decoding,
+      compiling included), and "decode_tokens" and "decode_seconds" after the second token
+      (compiled by then).
 
   Raises:
     ValueError: an empty prompt list or prompt, a token outside the vocabulary, a bad setting.
@@ -317,21 +319,26 @@ def generate(cfg: ModelConfig, params: dict, prompts, *, max_new_tokens: int,
   out: list[list[int]] = [[] for _ in prompts]
   done = np.zeros(B, bool)
   eos = set(int(e) for e in eos_ids)
+  first = None  # when the first decoded token's successor was chosen: compiling done
   for t in range(max_new_tokens):
     tokens, seen = _choose(keys[t], logits, seen, knobs)
     if t + 1 < max_new_tokens:  # the last token's successor is never asked for
       logits, cache = decode(cfg, params, cache, tokens, positions + t, dtype=dtype)
-    for i, tok in enumerate(np.asarray(tokens).tolist()):
+    for i, tok in enumerate(np.asarray(tokens).tolist()):  # waits for the step before
       if done[i]:
         continue
       out[i].append(tok)
       if tok in eos or (stop and any(s in tokenizer.decode(out[i]) for s in stop)):
         done[i] = True
+    if t == 1:
+      first = (time.perf_counter(), sum(map(len, out)))
     if done.all():
       break
   if stats is not None:
-    stats.update(prompt_tokens=int(valid.sum()), new_tokens=sum(map(len, out)),
-                 seconds=time.perf_counter() - start)
+    end, new = time.perf_counter(), sum(map(len, out))
+    stats.update(prompt_tokens=int(valid.sum()), new_tokens=new, seconds=end - start,
+                 decode_tokens=0 if first is None else new - first[1],
+                 decode_seconds=0.0 if first is None else end - first[0])
   return out
 
 
@@ -423,6 +430,35 @@ def generation_defaults(model: Path) -> dict:
   return out
 
 
+def load_model(path: str | Path) -> tuple[ModelConfig, dict, Path]:
+  """(config, fp32 parameter tree, the directory of its tokenizer and generation files) of a
+  Hugging Face directory (an export), a training checkpoint's step folder, or a checkpoint
+  directory (its newest step). A checkpoint's files are its copy of its Hugging Face source's."""
+  from mtjax import api, checkpoint, export, hf
+
+  path = Path(path)
+  # A run's checkpoint directory holds a config.json of its own: steps are looked for first.
+  step = path if (path / "meta.json").is_file() else checkpoint.latest(path)
+  if step is None and (path / "config.json").is_file():
+    try:
+      cfg, params = api.load_hf(path)
+    except hf.HFError as e:
+      raise ValueError(str(e)) from None
+    return cfg, params, path
+  if step is None:
+    raise ValueError(f"--model: {path} is neither a Hugging Face model directory (config.json) "
+                     "nor a training checkpoint (meta.json)")
+  meta, run_cfg, names = export.recorded(step.absolute())
+  source = export.source_of(step, run_cfg.model.from_hf)
+  if source is None:
+    raise ValueError(f"--model: checkpoint {step} has no Hugging Face source (trained from "
+                     "mtjax's init): no tokenizer to read")
+  spec = models.spec(run_cfg.model)
+  groups = dict(export.checkpoint_groups(step, names, meta.get(checkpoint.CHECKSUM)))
+  trees = [spec.group_layout(g).unflatten(groups[g]) for g, _ in spec.groups]
+  return run_cfg.model, {"embed": trees[0], "blocks": trees[1:-1], "head": trees[-1]}, source
+
+
 def main(argv: list[str] | None = None) -> int:
   try:
     return _main(parser().parse_args(argv))
@@ -434,16 +470,15 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args) -> int:
   from tokenizers import Tokenizer
 
-  from mtjax import api, hf
   from mtjax.data import chat
 
-  model = Path(args.model)
-  if not (model / "config.json").is_file():
-    raise ValueError(f"--model: {model} is not a Hugging Face model directory (no config.json)")
-  if not (model / "tokenizer.json").is_file():
-    raise ValueError(f"--model: {model} has no tokenizer.json")
+  if not Path(args.model).exists():
+    raise ValueError(f"--model: {args.model} does not exist")
   if args.max_new_tokens < 1 or args.batch < 1:
     raise ValueError("--max-new-tokens and --batch must be >= 1")
+  cfg, params, model = load_model(args.model)
+  if not (model / "tokenizer.json").is_file():
+    raise ValueError(f"--model: {model} has no tokenizer.json")
   defaults = generation_defaults(model)
   given = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                min_p=args.min_p, repetition_penalty=args.repetition_penalty)
@@ -460,29 +495,27 @@ def _main(args) -> int:
     use_chat = bool(chat.load_tokenizer_config(model).get("chat_template")) \
         or (model / "chat_template.jinja").is_file()
   template = chat.ChatTemplate.from_tokenizer(model) if use_chat else None
-  try:
-    cfg, params = api.load_hf(model)
-  except hf.HFError as e:
-    raise ValueError(str(e)) from None
   if template is None:
     ids = [tok.encode(p).ids for p in prompts]
   else:
     ids = [tok.encode(template.render([{"role": "user", "content": p}], True),
                       add_special_tokens=False).ids for p in prompts]
   dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
-  new = seconds = 0.0
+  total = {"new_tokens": 0, "seconds": 0.0, "decode_tokens": 0, "decode_seconds": 0.0}
   for at in range(0, len(prompts), args.batch):
     stats = {}
     outs = generate(cfg, params, ids[at:at + args.batch], max_new_tokens=args.max_new_tokens,
                     eos_ids=defaults["eos_ids"], seed=args.seed + at, dtype=dtype, stats=stats,
                     **settings)
-    new += stats["new_tokens"]
-    seconds += stats["seconds"]
+    total = {k: v + stats[k] for k, v in total.items()}
     for i, out in enumerate(outs):
       print(f"### {at + i + 1}: {prompts[at + i]}")
       print(tok.decode(out, skip_special_tokens=True), flush=True)
-  print(f"generated {int(new)} tokens for {len(prompts)} prompts in {seconds:.2f} s: "
-        f"{new / max(seconds, 1e-9):.1f} tokens/s")
+  rate = lambda n, s: f"{n / s:.1f}" if s > 0 else "n/a"
+  print(f"generated {total['new_tokens']} tokens for {len(prompts)} prompts in "
+        f"{total['seconds']:.2f} s, compiling included ({rate(total['new_tokens'], total['seconds'])}"
+        f" tokens/s); decoding after compilation: {rate(total['decode_tokens'], total['decode_seconds'])} "
+        f"tokens/s")
   return exits.OK
 
 
