@@ -255,6 +255,16 @@ def bucket(n: int) -> int:
   return -(-n // step) * step
 
 
+def _longrope_switch(cfg: ModelConfig, longest: int) -> int | None:
+  """The position at which a longrope model's RoPE turns from its short factors to its long ones
+  (rope_tables decides per call by the longest position), when the prompts are short enough for
+  the prefill to have taken the short ones; else None."""
+  r = cfg.rope
+  if r.scaling != "longrope" or longest > r.original_max_len:
+    return None
+  return r.original_max_len
+
+
 def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
   """(ids [B, P], valid [B, P]) of ragged prompts, right-aligned in `bucket(longest)` columns."""
   P = bucket(max(len(p) for p in prompts))
@@ -320,9 +330,20 @@ def generate(cfg: ModelConfig, params: dict, prompts, *, max_new_tokens: int,
   done = np.zeros(B, bool)
   eos = set(int(e) for e in eos_ids)
   first = None  # when the first decoded token's successor was chosen: compiling done
+  longest = int(valid.sum(1).max())
+  switch_at = _longrope_switch(cfg, longest)
+  chosen = []
   for t in range(max_new_tokens):
     tokens, seen = _choose(keys[t], logits, seen, knobs)
-    if t + 1 < max_new_tokens:  # the last token's successor is never asked for
+    chosen.append(tokens)
+    if t + 1 < max_new_tokens and longest + t == switch_at:
+      # The batch's longest row passes the pre-training length: every key rotates anew by the
+      # long factors (transformers' Phi-3 recomputes its cache there too).
+      history = np.concatenate([ids, np.stack([np.asarray(c) for c in chosen], 1)], axis=1)
+      seen_all = np.concatenate([valid, np.ones((B, t + 1), bool)], axis=1)
+      logits, cache = prefill(cfg, params, jnp.asarray(history), jnp.asarray(seen_all),
+                              slots=cache.valid.shape[1], dtype=dtype)
+    elif t + 1 < max_new_tokens:  # the last token's successor is never asked for
       logits, cache = decode(cfg, params, cache, tokens, positions + t, dtype=dtype)
     for i, tok in enumerate(np.asarray(tokens).tolist()):  # waits for the step before
       if done[i]:

@@ -323,6 +323,28 @@ def test_eos_ends_a_completion_and_holds_the_eos():
   assert got[1] == free[1][:cut]
 
 
+@pytest.mark.soak
+def test_phi3_longrope_switching_mid_generation_equals_transformers(tmp_path):
+  """Past original_max_position_embeddings (8) the decode steps take the long factors while the
+  cache keeps the prefill's short-factor keys, as transformers' per-forward choice."""
+  config = CONFIGS["phi3"]()
+  config.rope_parameters["original_max_position_embeddings"] = 8
+  config.original_max_position_embeddings = 8
+  m = parity.save_tiny(config, tmp_path, seed=3)
+  cfg, params = mtjax.load_hf(tmp_path)
+  assert cfg.rope.original_max_len == 8
+  prompt = PROMPTS[1]
+  m.generation_config.eos_token_id = None
+  ids = torch.tensor([prompt])
+  out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                   output_logits=True, return_dict_in_generate=True)
+  theirs = torch.stack(out.logits, 1)[0].numpy()
+  top2 = np.sort(theirs, axis=-1)[:, -2:]
+  assert (top2[:, 1] - top2[:, 0]).min() > TIE_GAP
+  assert mtjax.generate(cfg, params, [prompt], max_new_tokens=NEW)[0] == \
+      out.sequences[0, len(prompt):].tolist()
+
+
 # ---------------------------------------------------------------------------------------- CLI
 
 
@@ -373,3 +395,28 @@ def test_cli_bad_input_is_one_line_and_exit_2(exported, args, words, capsys):
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and err.startswith("error: "), err
   assert all(w in err for w in words), err
+
+
+def test_stop_strings_end_a_completion_at_the_token_that_completes_one(exported):
+  from tokenizers import Tokenizer
+  tok = Tokenizer.from_file(str(exported / "tokenizer.json"))
+  cfg, params = mtjax.load_hf(exported)
+  prompts = [tok.encode("Say hello.").ids]
+  free = mtjax.generate(cfg, params, prompts, max_new_tokens=8)[0]
+  k = next(i for i in range(2, 8) if tok.decode(free[:i + 1]) != tok.decode(free[:i]))
+  stop = tok.decode(free[:k + 1])[len(tok.decode(free[:k])):][-1:]  # the text token k adds
+  want = next(i for i in range(8) if stop in tok.decode(free[:i + 1])) + 1
+  got = mtjax.generate(cfg, params, prompts, max_new_tokens=8, stop=[stop], tokenizer=tok)[0]
+  assert got == free[:want]
+  with pytest.raises(ValueError, match="tokenizer"):
+    mtjax.generate(cfg, params, prompts, max_new_tokens=2, stop=["x"])
+
+
+def test_generation_config_gives_eos_and_sampling_defaults(tmp_path):
+  (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 5}))
+  assert gen.generation_defaults(tmp_path) == {"eos_ids": [5]}
+  (tmp_path / "generation_config.json").write_text(json.dumps(
+      {"eos_token_id": [7, 8], "do_sample": True, "temperature": 0.6, "top_p": 0.9,
+       "repetition_penalty": 1.1}))
+  assert gen.generation_defaults(tmp_path) == {
+      "eos_ids": [7, 8], "temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.1}
