@@ -46,7 +46,8 @@ DEEPSEEK = dict(S, hidden_size=64, moe_intermediate_size=32, first_k_dense_repla
                 rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0,
                                      original_max_position_embeddings=64, mscale=0.707,
                                      mscale_all_dim=1.0, beta_fast=32, beta_slow=1))
-ONE = {"num_hidden_layers": 1}  # a family whose layers are all of one kind: one is enough here
+# One layer where the layers would all be of one kind (or a mixture's: the dense MLP is Llama's).
+ONE = {"num_hidden_layers": 1}
 # Every family's tiny config (windows of 3-5 in sequences of 16 tokens).
 CONFIGS = {
     "llama": lambda: T.LlamaConfig(**S),
@@ -62,7 +63,7 @@ CONFIGS = {
                                             "rope_theta": 1e4},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}),
     "gemma3_vl": lambda: T.Gemma3Config(
-        text_config=dict(GEMMA, layer_types=["sliding_attention", "full_attention"]),
+        text_config=dict(GEMMA, **ONE, layer_types=["sliding_attention"]),
         vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                            num_attention_heads=2, image_size=28, patch_size=14),
         mm_tokens_per_image=4),
@@ -75,16 +76,17 @@ CONFIGS = {
     "mixtral": lambda: T.MixtralConfig(**{**S, **ONE, "intermediate_size": 24}, **MOE,
                                        sliding_window=5),
     "qwen2_moe": lambda: T.Qwen2MoeConfig(
-        **S, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
-        shared_expert_intermediate_size=24, mlp_only_layers=[0], use_sliding_window=True,
-        sliding_window=5, max_window_layers=2),
+        **{**S, **ONE}, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+        shared_expert_intermediate_size=24, use_sliding_window=True, sliding_window=5,
+        max_window_layers=0),
     "qwen3_moe": lambda: T.Qwen3MoeConfig(**{**S, **ONE}, moe_intermediate_size=16, num_experts=4,
                                           num_experts_per_tok=2, norm_topk_prob=True),
     "deepseek_v2": lambda: T.DeepseekV2Config(**{**DEEPSEEK, **ONE, "topk_group": 1,
                                                  "first_k_dense_replace": 0}, q_lora_rank=None,
                                               n_shared_experts=2, routed_scaling_factor=1.5,
                                               topk_method="group_limited_greedy"),
-    "deepseek_v3": lambda: T.DeepseekV3Config(**DEEPSEEK, q_lora_rank=24, n_shared_experts=1,
+    "deepseek_v3": lambda: T.DeepseekV3Config(**{**DEEPSEEK, **ONE, "first_k_dense_replace": 0},
+                                              q_lora_rank=24, n_shared_experts=1,
                                               routed_scaling_factor=2.5, norm_topk_prob=True),
     "olmo2": lambda: T.Olmo2Config(**{**S, **ONE}, rms_norm_eps=1e-6),
     "phi3": lambda: T.Phi3Config(
@@ -295,8 +297,13 @@ def test_sampling_is_reproducible_by_seed_and_settings_are_checked():
   cfg, params = random_model("llama")
   kw = dict(max_new_tokens=6, temperature=1.0, top_k=20, seed=7)
   a = mtjax.generate(cfg, params, PROMPTS, **kw)
+  compiled = (gen.prefill._cache_size(), gen.decode._cache_size())
   assert a == mtjax.generate(cfg, params, PROMPTS, **kw)
   assert a != mtjax.generate(cfg, params, PROMPTS, **{**kw, "seed": 8})
+  # other settings and lengths in the same buckets: the same compiled prefill and decode step
+  mtjax.generate(cfg, params, [[1, 2], [3]], max_new_tokens=4, temperature=0.5, top_p=0.8,
+                 min_p=0.1, repetition_penalty=1.3)
+  assert (gen.prefill._cache_size(), gen.decode._cache_size()) == compiled
   for bad in (dict(top_p=0.0), dict(top_p=1.5), dict(temperature=-1.0), dict(top_k=-2),
               dict(min_p=2.0), dict(repetition_penalty=0.0), dict(max_new_tokens=0)):
     with pytest.raises(ValueError) as e:
