@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import json
 import math
+import numbers
 import sys
 import time
 import types
@@ -55,15 +56,15 @@ class Sampling:
   repetition_penalty: float = 1.0  # a seen token's logit / penalty (x penalty if negative); 1: off
 
   def __post_init__(self):
-    checks = (("temperature", self.temperature >= 0, ">= 0"),
-              ("top_k", self.top_k >= 0 and int(self.top_k) == self.top_k, "an integer >= 0"),
-              ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
-              ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
-              ("repetition_penalty", self.repetition_penalty > 0, "> 0"))
+    checks = (("temperature", lambda x: x >= 0, ">= 0"),
+              ("top_k", lambda x: x >= 0 and int(x) == x, "an integer >= 0"),
+              ("top_p", lambda x: 0 < x <= 1, "in (0, 1]"),
+              ("min_p", lambda x: 0 <= x <= 1, "in [0, 1]"),
+              ("repetition_penalty", lambda x: x > 0, "> 0"))
     for name, ok, want in checks:
       value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok \
-          or not math.isfinite(value):
+      if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+          or not math.isfinite(value) or not ok(value):
         raise ValueError(f"{name}={value!r} must be {want}")
 
 
@@ -299,8 +300,7 @@ def generate(cfg: ModelConfig, params: dict, prompts, *, max_new_tokens: int,
   Raises:
     ValueError: an empty prompt list or prompt, a token outside the vocabulary, a bad setting.
   """
-  sampling = Sampling(float(temperature), int(top_k), float(top_p), float(min_p),
-                      float(repetition_penalty))
+  sampling = Sampling(temperature, top_k, top_p, min_p, repetition_penalty)
   prompts = [list(map(int, p)) for p in prompts]
   if not prompts or not all(prompts):
     raise ValueError("prompts: need at least one prompt, each of at least one token")
@@ -312,7 +312,8 @@ def generate(cfg: ModelConfig, params: dict, prompts, *, max_new_tokens: int,
   if stop and tokenizer is None:
     raise ValueError("stop strings need a tokenizer to decode the completions")
   cfg = inference_config(cfg)
-  params = jax.tree.map(jnp.asarray, params)
+  # Cast once, as mtjax.forward casts each layer's weights (the steps then cast nothing).
+  params = jax.tree.map(lambda a: jnp.asarray(a).astype(dtype), params)
   ids, valid = left_pad(prompts)
   B = len(prompts)
   # The one place keys are made: one per decoded token, each row's draw from it independent.
