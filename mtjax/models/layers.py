@@ -327,14 +327,19 @@ class Attention(nn.Module):
       return q, k, v
     return apply_rope(q, cos_BxTxR2, sin_BxTxR2), apply_rope(k, cos_BxTxR2, sin_BxTxR2), v
 
+  def scoring(self) -> dict:
+    """How this layer scores keys: `attend`'s window, softcap_, scale and sinks_N (the one place
+    they are chosen, for the sequence core and for a KV cache's attention alike)."""
+    cfg = self.cfg
+    return dict(window=cfg.sliding_window if self.layer_type == "sliding" else None,
+                softcap_=cfg.attn_softcap, scale=cfg.query_scale,
+                sinks_N=self.sinks if cfg.attention_sinks else None)
+
   def core(self, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segments_BxT):
     """Attention over the sequence: [B, T, N * H], before the output projection."""
-    cfg = self.cfg
-    B, T, N, _ = q_BxTxNxH.shape
-    window = cfg.sliding_window if self.layer_type == "sliding" else None
+    B, T = q_BxTxNxH.shape[:2]
     out = attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segments_BxT,
-                 implementation=self.implementation, window=window, softcap_=cfg.attn_softcap,
-                 scale=cfg.query_scale, sinks_N=self.sinks if cfg.attention_sinks else None)
+                 implementation=self.implementation, **self.scoring())
     return out.reshape(B, T, -1)
 
   def out(self, a_BxTxE):
