@@ -92,7 +92,9 @@ def run_transformers(cfg, args) -> list[dict]:
   from deepspeed_baseline import hf_model
   torch.manual_seed(0)
   device = "cuda" if torch.cuda.is_available() else "cpu"
-  model = hf_model(cfg, args.prompt + args.new).to(device=device, dtype=torch.bfloat16).eval()
+  torch.set_default_dtype(torch.bfloat16)
+  with torch.device(device):  # built in place: no fp32 copy on the host first
+    model = hf_model(cfg, args.prompt + args.new).eval()
   model.generation_config.pad_token_id = 0
   rng = np.random.default_rng(0)
   out = []
