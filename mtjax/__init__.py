@@ -6,8 +6,9 @@ XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB says otherwise; `mtjax.launch.plan_run(cfg)` s
 plan (`mtjax.launch.configure_pinned_pool`), as `python -m mtjax.train` does, and must run before
 the jax backend starts.
 
-The functional API (`mtjax.load_hf`, `mtjax.forward`, `mtjax.to_hf_names`) is mtjax.api's, loaded
-on first use.
+The functional API (`mtjax.load_hf`, `mtjax.forward`, `mtjax.to_hf_names`) is mtjax.api's, and
+`mtjax.generate(cfg, params, prompts, ...)` mtjax.generate's (the module calls through to its
+`generate`), each loaded on first use.
 """
 
 _API = ("load_hf", "forward", "to_hf_names")
@@ -17,4 +18,7 @@ def __getattr__(name):
   if name in _API:
     from mtjax import api  # imported on first use: `import mtjax` stays light
     return getattr(api, name)
+  if name == "generate":
+    import importlib
+    return importlib.import_module("mtjax.generate")
   raise AttributeError(f"module 'mtjax' has no attribute {name!r}")

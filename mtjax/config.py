@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -452,12 +453,50 @@ class DPOConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+  """Group-relative policy optimisation with verifiable rewards (mtjax.grpo): each step samples
+  `group` completions of each of train.batch / group prompts from the current weights, scores them
+  and weights each completion's tokens by its reward's standing in its group."""
+  group: int = 8  # completions per prompt (G); train.batch must be a multiple of it
+  max_new_tokens: int = 64  # the longest completion; prompt + completion must fit train.seq
+  temperature: float = 1.0  # sampling temperature of the completions (> 0)
+  top_p: float = 1.0  # nucleus sampling of the completions; 1: off
+  top_k: int = 0  # the k likeliest tokens only; 0: off
+  rewards: tuple[str, ...] = ("exact_answer",)  # built-in reward functions (exact_answer, format, length; mtjax.grpo.REWARDS) or a user's as module:function
+  reward_weights: tuple[float, ...] | None = None  # each reward's weight in the sum; None: all 1
+  format_pattern: str = r"(?s).*\S"  # the format reward: 1 where the completion matches this regular expression (re.fullmatch), else 0
+  scale_rewards: Literal["group", "none"] = "group"  # advantages divided by their group's std (GRPO), or not (Dr. GRPO)
+  loss_agg: Literal["sequence", "token", "constant"] = "sequence"  # mean over each completion's tokens then over completions (GRPO); over all tokens of the batch (DAPO); sum over rows x max_new_tokens (Dr. GRPO)
+  chat: bool = True  # prompts as a user message in the tokenizer's chat template, where it has one
+  tokenizer: str | None = None  # folder of tokenizer.json (decodes completions for the rewards); None: model.from_hf's
+
+  def __post_init__(self):
+    _positive(self, "group", "max_new_tokens", "temperature")
+    if self.group < 2:
+      raise ConfigError(f"train.grpo.group: {self.group} completions give no group to compare; "
+                        "need >= 2")
+    if not 0 < self.top_p <= 1 or self.top_k < 0:
+      raise ConfigError(f"train.grpo: top_p ({self.top_p}) must be in (0, 1] and top_k "
+                        f"({self.top_k}) >= 0")
+    if not self.rewards:
+      raise ConfigError("train.grpo.rewards: name at least one reward function")
+    if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
+      raise ConfigError(f"train.grpo.reward_weights: {len(self.reward_weights)} weights for "
+                        f"{len(self.rewards)} rewards")
+    try:
+      re.compile(self.format_pattern)
+    except re.error as e:
+      raise ConfigError(f"train.grpo.format_pattern: not a regular expression ({e})") from None
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
   steps: int = 20  # optimizer steps to run
   batch: int = 8  # sequences per optimizer step (global batch)
   grad_accum: int = 1  # forward/backward passes per optimizer step, each over batch / grad_accum sequences (weights streamed once per pass); the gradient is the whole batch's
-  objective: Literal["lm", "dpo"] = "lm"  # lm: next-token cross-entropy; dpo: preference pairs (train.dpo, data from mtjax.dpo); each is a class of mtjax.objectives' registry
+  objective: Literal["lm", "dpo", "grpo"] = "lm"  # lm: next-token cross-entropy; dpo: preference pairs (train.dpo, data from mtjax.dpo); grpo: sampled completions scored by rewards (train.grpo, mtjax.grpo); each is a class of mtjax.objectives' registry
   dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)  # objective dpo only
+  grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)  # objective grpo only
   seq: int = 64  # tokens per sequence
   seed: int = 0  # seeds the weight init and the data stream
   log_every: int = 1  # steps between progress-bar updates of the loss
@@ -538,7 +577,7 @@ def _positive(obj, *names, section=None):
 
 _SECTION_OF = {"ModelConfig": "model.", "RopeConfig": "model.rope.", "OptimConfig": "optim.",
                "EngineConfig": "engine.", "DataConfig": "data.", "TrainConfig": "train.",
-               "DPOConfig": "train.dpo."}
+               "DPOConfig": "train.dpo.", "GRPOConfig": "train.grpo."}
 
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:

@@ -8,6 +8,7 @@ _MODULES) registered under the name `train.objective` takes.
 
   lm   next-token cross-entropy over the batch's loss weights (mtjax.data's sources)
   dpo  preference pairs against the initial weights (mtjax.dpo)
+  grpo sampled completions scored by verifiable rewards, group-relative (mtjax.grpo)
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 
 from mtjax import config as config_lib, data
 
-_MODULES = ("mtjax.dpo",)  # modules that register objectives of their own
+_MODULES = ("mtjax.dpo", "mtjax.grpo")  # modules that register objectives of their own
 _REGISTRY: dict[str, type[Objective]] = {}
 
 

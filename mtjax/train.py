@@ -429,7 +429,8 @@ def loop(cfg: config_lib.Config, run: Started, metrics: runlog.RunLog, progress:
                   step_s=stats.step_s, forward_s=stats.forward_s,
                   backward_s=stats.backward_s, finish_s=stats.finish_s,
                   opt_wait_s=stats.opt_wait_s, device_wait_s=stats.device_wait_s,
-                  host_rss_gib=rss_bytes() / 2**30, epoch=src.epoch(i), **stats.objective)
+                  host_rss_gib=rss_bytes() / 2**30, epoch=src.epoch(i), **stats.objective,
+                  **(src.metrics(i) if hasattr(src, "metrics") else {}))  # the batch's own
     if accel:
       record["device_peak_gib"] = (device_peak_bytes(device) or 0) / 2**30
     if run.held_out is not None and (store.step % tc.eval_every == 0 or store.step == tc.steps):

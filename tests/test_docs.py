@@ -26,11 +26,12 @@ def test_config_reference_shows_every_field_with_its_default_and_comment():
   for section, cls in (("model", config.ModelConfig), ("optim", config.OptimConfig),
                        ("engine", config.EngineConfig), ("data", config.DataConfig),
                        ("train", config.TrainConfig), ("train.dpo", config.DPOConfig),
+                       ("train.grpo", config.GRPOConfig),
                        ("model.rope", config.RopeConfig), ("model.moe", config.MoEConfig),
                        ("model.mla", config.MLAConfig),
                        ("model.linear", config.LinearAttentionConfig)):
     for f in cls.__dataclass_fields__.values():
-      if f.name in ("rope", "moe", "mla", "linear", "dpo"):
+      if f.name in ("rope", "moe", "mla", "linear", "dpo", "grpo"):
         continue
       row = re.search(rf"^\| `{re.escape(section)}\.{f.name}` \|.*$", text, re.M)
       assert row, f"{section}.{f.name} missing from the config reference"

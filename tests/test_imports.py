@@ -29,7 +29,7 @@ LAYERS = [
     ["mtjax.plan"],
     ["mtjax.launch"],
     # the commands: `python -m mtjax.plan` plans this machine through launch
-    ["mtjax.train", "mtjax.export", "mtjax.plan.__main__", "mtjax"],
+    ["mtjax.train", "mtjax.export", "mtjax.generate", "mtjax.plan.__main__", "mtjax"],
 ]
 
 

@@ -66,7 +66,7 @@ def test_a_new_objective_plugs_into_the_engine_unchanged():
 def test_unknown_objective_is_a_config_error_naming_the_registry():
   t = config.TrainConfig()
   object.__setattr__(t, "objective", "ppo")
-  with pytest.raises(config.ConfigError, match="train.objective: 'ppo' is not one of dpo, lm"):
+  with pytest.raises(config.ConfigError, match="train.objective: 'ppo' is not one of dpo, grpo, lm"):
     objectives.get(t)
 
 

@@ -389,16 +389,21 @@ class Attention(nn.Module):
       q, k = l2_norm(q, cfg.norm_eps), l2_norm(k, cfg.norm_eps)
     return (q, k, v, *gate)
 
+  def scoring(self) -> dict:
+    """How this layer scores keys: `attend`'s window, softcap_, scale and sinks_N (the one place
+    they are chosen, for the sequence core and for a KV cache's attention alike)."""
+    cfg = self.cfg
+    return dict(window=cfg.sliding_window if self.layer_type == "sliding" else None,
+                softcap_=cfg.attn_softcap, scale=cfg.query_scale,
+                sinks_N=self.sinks if cfg.attention_sinks else None)
+
   def core(self, qkv, segments_BxT):
     """Attention over the sequence of `qkv`'s queries, keys and values (gated by its gate):
     [B, T, N * H], before the output projection."""
-    cfg = self.cfg
     q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *gate = qkv
-    B, T, N, _ = q_BxTxNxH.shape
-    window = cfg.sliding_window if self.layer_type == "sliding" else None
+    B, T = q_BxTxNxH.shape[:2]
     out = attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segments_BxT,
-                 implementation=self.implementation, window=window, softcap_=cfg.attn_softcap,
-                 scale=cfg.query_scale, sinks_N=self.sinks if cfg.attention_sinks else None)
+                 implementation=self.implementation, **self.scoring())
     out = out.reshape(B, T, -1)
     return out * jax.nn.sigmoid(gate[0]).astype(out.dtype) if gate else out
 

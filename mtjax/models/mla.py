@@ -77,14 +77,18 @@ class LatentAttention(nn.Module):
         [kv_BxTxNxE[..., :Dn], jnp.broadcast_to(k_rope_BxTx1xR, (B, T, N, Dr))], axis=-1)
     return q_BxTxNxQ, k_BxTxNxQ, kv_BxTxNxE[..., Dn:]
 
+  def scoring(self) -> dict:
+    """How this layer scores keys: `attend`'s window, softcap_, scale and sinks_N (none here)."""
+    return dict(window=self.cfg.sliding_window if self.layer_type == "sliding" else None,
+                softcap_=self.cfg.attn_softcap, scale=score_scale(self.cfg), sinks_N=None)
+
   def core(self, qkv, segments_BxT):
     """Attention over the sequence of `qkv`'s queries, keys and values: [B, T, N * Dv], before
     the output projection."""
     q_BxTxNxQ, k_BxTxNxQ, v_BxTxNxV = qkv
     B, T = q_BxTxNxQ.shape[:2]
     out = attend(q_BxTxNxQ, k_BxTxNxQ, v_BxTxNxV, segments_BxT, implementation=self.implementation,
-                 window=self.cfg.sliding_window if self.layer_type == "sliding" else None,
-                 softcap_=self.cfg.attn_softcap, scale=score_scale(self.cfg))
+                 **self.scoring())
     return out.reshape(B, T, -1)
 
   def out(self, a_BxTxE):
