@@ -1,7 +1,8 @@
 """Generation with a KV cache (mtjax.generate) against the whole-model forward and transformers.
 
 The central equivalence: the cache path's logits (a prefill, then one decoded token at a time)
-equal `mtjax.forward`'s at every position, for every registered family, windows crossed. Greedy
+equal `mtjax.forward`'s at the prompt's last position and at every decoded one, for every
+registered family, windows crossed, a left-padded row beside a full one. Greedy
 completions equal transformers' `generate(do_sample=False)` token for token on tiny checkpoints.
 
 Near-ties: two fp32 implementations may order two logits within rounding of each other either
@@ -147,8 +148,10 @@ NEW = 8  # 8 + 8 tokens: past every window (3-5)
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_cache_path_logits_equal_the_forward_at_every_position(family):
-  """A prefill of 8 columns, then 7 tokens decoded; row 1 left-padded by 3, its logits those of
-  its real tokens alone (the reference: the padding a document of its own, positions from 0)."""
+  """A prefill of 8 columns (its last position's logits), then 7 tokens decoded (each one's);
+  row 1 left-padded by 3, its logits those of its real tokens alone (the reference: the padding
+  a document of its own, positions from 0). A wrong key or value written at any prompt position
+  shows in every decoded position's logits."""
   cfg, params = random_model(family)
   ids = parity.token_ids(cfg.vocab_size, B=2, T=2 * NEW, seed=1)
   valid = np.ones(ids.shape, bool)
