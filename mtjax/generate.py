@@ -132,11 +132,13 @@ class KVCache:
 
 
 def cached_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, q_pos_BxT, k_pos_BxS, k_valid_BxS, *,
-                     window=None, softcap_=None, scale=None, sinks_N=None) -> jax.Array:
+                     window=None, softcap_=None, scale=None, sinks_N=None,
+                     chunk=None) -> jax.Array:
   """Attention of T new queries over a cache's S slots in fp32: a query at position p sees the
   valid keys at positions p - window < position <= p; the scores scaled, soft-capped, then masked,
   and a sink's logit in each row's denominator (mtjax.attention.dense_attention's semantics, by
-  positions instead of indices). [B, T, N * Hv] in q's dtype; a row that sees nothing gets zeros."""
+  positions instead of indices); with `chunk`, only keys whose position // chunk is the query's.
+  [B, T, N * Hv] in q's dtype; a row that sees nothing gets zeros."""
   B, T, N, H = q_BxTxNxH.shape
   S, K, Hv = v_BxSxKxV.shape[1:]
   G = N // K
@@ -149,6 +151,8 @@ def cached_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, q_pos_BxT, k_pos_BxS, k_va
   seen_BxTxS = k_valid_BxS[:, None, :] & (kp <= qp)
   if window is not None:
     seen_BxTxS = seen_BxTxS & (kp > qp - window)
+  if chunk is not None:  # chunked local attention (Llama 4): keys of the query's own chunk only
+    seen_BxTxS = seen_BxTxS & (kp // chunk == qp // chunk)
   seen = seen_BxTxS[:, None, None]
   s_BxKxGxTxS = jnp.where(seen, s_BxKxGxTxS, _NEG)
   m_BxKxGxT = s_BxKxGxTxS.max(axis=-1)
@@ -162,6 +166,14 @@ def cached_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, q_pos_BxT, k_pos_BxS, k_va
   p_BxKxGxTxS = e_BxKxGxTxS / jnp.where(l_BxKxGxT > 0, l_BxKxGxT, 1.0)[..., None]
   out = jnp.einsum("bkgts,bskh->btkgh", p_BxKxGxTxS, v_BxSxKxV.astype(jnp.float32))
   return out.reshape(B, T, N * Hv).astype(q_BxTxNxH.dtype)
+
+
+def refuse_uncached(cfg: ModelConfig) -> None:
+  """ValueError (one line) for a model whose layers have no cache here: linear attention's
+  recurrent state (Qwen3-Next's gated DeltaNet) is not kept between decoded tokens."""
+  if cfg.layer_types is not None and "linear" in cfg.layer_types:
+    raise ValueError(f"generate: {cfg.family}'s linear-attention (gated DeltaNet) layers have no "
+                     f"decoding cache yet")
 
 
 def inference_config(cfg: ModelConfig) -> ModelConfig:
@@ -185,12 +197,16 @@ def _run_blocks(cfg, params, x_BxTxD, positions_BxT, valid_BxT, cache: KVCache, 
   for (_, kind), p, k_cache, v_cache in zip(spec.groups[1:-1], params["blocks"], cache.k, cache.v):
     block = spec.block(kind)
     bound = {"params": jax.tree.map(lambda a: a.astype(dtype), p)}
-    cos, sin = block.apply(bound, positions_BxT, method=lambda m, pos: m.attn.rope(pos))
-    q, k, v = block.apply(bound, x_BxTxD, cos, sin, method=Block._qkv)
+    tables = block.apply(bound, positions_BxT, method=lambda m, pos: m.attn.rope(pos))
+    q, k, v, *gate = block.apply(bound, x_BxTxD, *tables, method=Block._qkv)
     k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), at, axis=1)
     v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), at, axis=1)
     scoring = block.apply(bound, method=lambda m: m.attn.scoring())
-    a = cached_attention(q, k_cache, v_cache, positions_BxT, k_pos, k_valid, **scoring)
+    chunk = cfg.attention_chunk if spec.kinds[kind].layer_type == "chunked" else None
+    a = cached_attention(q, k_cache, v_cache, positions_BxT, k_pos, k_valid, **scoring,
+                         chunk=chunk)
+    if gate:  # the attention's output gate (Qwen3-Next), as its sequence core applies it
+      a = a * jax.nn.sigmoid(gate[0]).astype(a.dtype)
     x_BxTxD, _ = block.apply(bound, x_BxTxD, a, valid_BxT.astype(jnp.float32), method=Block._out)
     ks.append(k_cache)
     vs.append(v_cache)
@@ -311,6 +327,7 @@ def generate(cfg: ModelConfig, params: dict, prompts, *, max_new_tokens: int,
     raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
   if stop and tokenizer is None:
     raise ValueError("stop strings need a tokenizer to decode the completions")
+  refuse_uncached(cfg)
   cfg = inference_config(cfg)
   # Cast once, as mtjax.forward casts each layer's weights (the steps then cast nothing).
   params = jax.tree.map(lambda a: jnp.asarray(a).astype(dtype), params)

@@ -320,6 +320,11 @@ class GroupRelative(objectives.Objective):
     if t.eval_every:
       raise config_lib.ConfigError("train.eval_every: grpo has no held-out evaluation; set 0 "
                                    "(the rewards are logged every step)")
+    from mtjax.generate import refuse_uncached
+    try:
+      refuse_uncached(cfg.model)
+    except ValueError as e:
+      raise config_lib.ConfigError(f"train.objective: grpo samples completions: {e}") from None
     if s.max_new_tokens >= t.seq:
       raise config_lib.ConfigError(f"train.grpo.max_new_tokens: {s.max_new_tokens} leaves no "
                                    f"room for a prompt in train.seq {t.seq}")
