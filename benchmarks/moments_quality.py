@@ -4,6 +4,7 @@ prepared text, seed and schedule, the loss curves in one plot, the final losses 
     python benchmarks/moments_quality.py corpus OUT_DIR [--mb 24]
     python benchmarks/moments_quality.py run DATA_DIR OUT_DIR [--steps 2000] [--dtypes D,...]
                                          [overrides ...]
+    python benchmarks/moments_quality.py --smoke OUT_DIR
 
 `corpus` (any machine, no accelerator): a text corpus from the Python sources of this interpreter's
 standard library and site packages (files sorted by path, the first --mb MiB; deterministic for one
@@ -136,8 +137,19 @@ def main() -> int:
   r.add_argument("data", type=Path)
   r.add_argument("out", type=Path)
   r.add_argument("--steps", type=int, default=2000)
+  p.add_argument("--smoke", action="store_true",
+                 help="corpus and runs at toy size on the CPU, in about a minute: OUT_DIR only")
   r.add_argument("--dtypes", default=",".join(DTYPES),
                  help="the state dtypes to run, comma-separated (a later call adds to OUT_DIR's)")
+  argv = sys.argv[1:]
+  if "--smoke" in argv:  # a 1 MiB corpus, a two-layer model, 6 steps of each dtype
+    out = Path(argv[argv.index("--smoke") + 1] if len(argv) > argv.index("--smoke") + 1
+               else "moments_smoke")
+    corpus(out, 1.0)
+    run(out, out / "runs", 6, list(DTYPES), [
+        "model.hidden=32", "model.layers=2", "model.heads=2", "model.ffn=64",
+        "train.eval_every=3", "train.eval_batches=2", "optim.warmup_steps=1", "train.seq=64"])
+    return 0
   a, overrides = p.parse_known_args()  # the rest: mtjax.train's dotted overrides
   if a.cmd == "corpus":
     if overrides:

@@ -33,6 +33,8 @@ SMOKES = {"bench.py": "test_bench_smoke_runs_every_system_and_records_the_fields
           "recipes.py": "test_recipes_smoke_runs_sft_dpo_and_accumulation",
           "h200.sh": "test_h200_dry_run_names_existing_scripts_and_configs",
           "int8_adamw.py": "test_int8_adamw_smoke_times_each_state_dtype_and_compares_the_maps",
+          "decode.py": "test_decode_smoke_times_both_systems",
+          "moments_quality.py": "test_moments_quality_smoke_trains_each_state_dtype",
           "deepspeed_wheels.sh": None,  # builds wheels from the network: nothing to smoke
           "attention_wheels.sh": None}  # downloads wheels from the network: nothing to smoke
 
@@ -276,3 +278,27 @@ def test_h200_dry_run_names_existing_scripts_and_configs():
   bad = subprocess.run(["bash", "benchmarks/h200.sh", "--dry-run", "no-such-table"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
   assert bad.returncode == 2 and "unknown table no-such-table" in bad.stderr
+
+
+@pytest.mark.soak  # two processes, jax's and torch's
+def test_decode_smoke_times_both_systems(tmp_path):
+  out = tmp_path / "decode.json"
+  done = subprocess.run([sys.executable, str(BENCH / "decode.py"), "--smoke", "--out", str(out)],
+                        capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-2000:]
+  rows = json.loads(out.read_text())
+  assert [(r["system"], r["batch"]) for r in rows] == [
+      ("mtjax", 1), ("mtjax", 2), ("transformers", 1), ("transformers", 2)]
+  assert all(r["decode_tokens_per_s"] != 0 for r in rows)
+
+
+@pytest.mark.soak  # a corpus, a tokenizer, three training runs
+def test_moments_quality_smoke_trains_each_state_dtype(tmp_path):
+  done = subprocess.run([sys.executable, str(BENCH / "moments_quality.py"), "--smoke",
+                         str(tmp_path)], capture_output=True, text=True, timeout=900)
+  assert done.returncode == 0, done.stderr[-2000:]
+  r = json.loads((tmp_path / "runs" / "moments_quality.json").read_text())
+  assert set(r) == {"float32", "bfloat16", "int8"}
+  assert all(len(v["train"]) == 6 and len(v["held_out"]) >= 2 for v in r.values())
+  assert (tmp_path / "runs" / "moments_quality.png").stat().st_size > 0
+  assert "| int8 |" in done.stdout

@@ -181,6 +181,7 @@ def test_a_prompt_without_an_answer_is_refused_naming_its_row(tmp_path, capsys):
   assert code == 2 and len(err) == 1 and "row 17 has no answer" in err[0], err
 
 
+@pytest.mark.soak  # a minute of CPU: the example as a user runs it
 def test_the_example_s_reward_rises(tmp_path):
   out = subprocess.run([sys.executable, str(ROOT / "examples" / "grpo_arithmetic.py"),
                         str(tmp_path), "--steps", "60"], capture_output=True, text=True,
