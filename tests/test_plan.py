@@ -315,7 +315,8 @@ def test_the_placement_search_equals_brute_force_over_every_pair(host_gib, devic
 
 
 # The shapes shipped for one H200 with 1.5 TB of host RAM (configs/machines/h200_1.5tb.yaml).
-BIG_BOX = ("dense_120b.yaml", "qwen3_235b_a22b.yaml")
+BIG_BOX = ("dense_120b.yaml", "qwen3_235b_a22b.yaml", "qwen3_next_80b_a3b.yaml", "glm4.5_air.yaml",
+           "llama4_scout.yaml")
 
 
 def test_every_shipped_config_plans_for_the_h200_machine_file(tmp_path):
@@ -365,13 +366,16 @@ def test_the_30b_class_fits_one_h200_box_at_int8_moments_and_not_at_fp32():
     assert "optim.state_dtype=int8" in str(refused.value) or "together" in str(refused.value)
 
 
-def test_the_1_5tb_box_plans_a_120b_dense_shape_at_fp32_and_qwen3_235b_at_int8():
+def test_the_1_5tb_box_plans_the_100b_class_and_qwen3_235b():
   big = plan.Machine.load(CONFIGS / "machines" / "h200_1.5tb.yaml")
   small = plan.Machine.load(CONFIGS / "machines" / "h200.yaml")
   assert big.host_memory_gb == 1536 and big.rates() == dataclasses.replace(
       small, host_memory_gb=1536.0).rates()  # only the host memory differs
   for name, dtype, params in (("dense_120b.yaml", "float32", 120e9),
-                              ("qwen3_235b_a22b.yaml", "int8", 230e9)):
+                              ("qwen3_235b_a22b.yaml", "int8", 230e9),
+                              ("qwen3_next_80b_a3b.yaml", "float32", 79e9),
+                              ("glm4.5_air.yaml", "float32", 106e9),
+                              ("llama4_scout.yaml", "float32", 107e9)):
     cfg = config.load(CONFIGS / name)
     assert cfg.optim.state_dtype == dtype
     p = big.plan(cfg)
