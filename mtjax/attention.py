@@ -96,20 +96,31 @@ def dense_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxHv: jax.
   """
   seg_q_BxT, seg_k_BxS, cfg = _settings(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, segments_q_BxT,
                                         segments_k_BxS, causal, scale, window, softcap, sinks_N)
-  B, T, N, H = q_BxTxNxH.shape
-  S, K, Hv = v_BxSxKxHv.shape[1:]
-  G = N // K
-  s_BxKxGxTxS = jnp.einsum("btkgh,bskh->bkgts", q_BxTxNxH.reshape(B, T, K, G, H), k_BxSxKxH,
-                           preferred_element_type=jnp.float32) * cfg.scale
-  if cfg.softcap is not None:
-    s_BxKxGxTxS = cfg.softcap * jnp.tanh(s_BxKxGxTxS / cfg.softcap)
+  T, S = q_BxTxNxH.shape[1], k_BxSxKxH.shape[1]
   visible_TxS = _position_mask(jnp.arange(T), jnp.arange(S), cfg)
   visible = None if visible_TxS is None else visible_TxS[None]  # [1, T, S]
   if seg_q_BxT is not None:
     same_BxTxS = seg_q_BxT[:, :, None] == seg_k_BxS[:, None, :]
     visible = same_BxTxS if visible is None else visible & same_BxTxS
+  return masked_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, visible, scale=cfg.scale,
+                          softcap=cfg.softcap, sinks_N=sinks_N)
+
+
+def masked_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, visible_BxTxS, *, scale: float,
+                     softcap: float | None = None, sinks_N=None) -> jax.Array:
+  """Softmax attention in fp32 where `visible_BxTxS` (None: everywhere; a leading 1 broadcasts)
+  lets a query see a key: scores scaled, then soft-capped, then masked, a sink's logit in each
+  row's denominator. The one softmax of `dense_attention` and of a KV cache's attention
+  (mtjax.generate). [B, T, N, Hv] in q's dtype; a row that sees nothing gets zeros."""
+  B, T, N, H = q_BxTxNxH.shape
+  S, K, Hv = v_BxSxKxHv.shape[1:]
+  G = N // K
+  s_BxKxGxTxS = jnp.einsum("btkgh,bskh->bkgts", q_BxTxNxH.reshape(B, T, K, G, H), k_BxSxKxH,
+                           preferred_element_type=jnp.float32) * scale
+  if softcap is not None:
+    s_BxKxGxTxS = softcap * jnp.tanh(s_BxKxGxTxS / softcap)
+  visible = None if visible_BxTxS is None else visible_BxTxS[:, None, None]
   if visible is not None:
-    visible = visible[:, None, None]
     s_BxKxGxTxS = jnp.where(visible, s_BxKxGxTxS, _NEG)
   # The max only shifts the exponent (the softmax does not depend on it): no gradient through it.
   m_BxKxGxT = s_BxKxGxTxS.max(axis=-1)

@@ -35,12 +35,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtjax import exits, models
+from mtjax import attention, exits, models
 from mtjax.config import ModelConfig
 from mtjax.models.block import Block
 
-# Finite stand-in for -inf in masked scores (as mtjax.attention): no inf - inf anywhere.
-_NEG = float(jnp.finfo(jnp.float32).min)
 
 
 # ---------------------------------------------------------------------------------------- sampling
@@ -136,36 +134,20 @@ def cached_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, q_pos_BxT, k_pos_BxS, k_va
                      chunk=None) -> jax.Array:
   """Attention of T new queries over a cache's S slots in fp32: a query at position p sees the
   valid keys at positions p - window < position <= p; the scores scaled, soft-capped, then masked,
-  and a sink's logit in each row's denominator (mtjax.attention.dense_attention's semantics, by
+  and a sink's logit in each row's denominator (mtjax.attention.masked_attention, by
   positions instead of indices); with `chunk`, only keys whose position // chunk is the query's.
   [B, T, N * Hv] in q's dtype; a row that sees nothing gets zeros."""
   B, T, N, H = q_BxTxNxH.shape
-  S, K, Hv = v_BxSxKxV.shape[1:]
-  G = N // K
   scale = 1.0 / math.sqrt(H) if scale is None else scale
-  s_BxKxGxTxS = jnp.einsum("btkgh,bskh->bkgts", q_BxTxNxH.reshape(B, T, K, G, H), k_BxSxKxH,
-                           preferred_element_type=jnp.float32) * scale
-  if softcap_ is not None:
-    s_BxKxGxTxS = softcap_ * jnp.tanh(s_BxKxGxTxS / softcap_)
   kp, qp = k_pos_BxS[:, None, :], q_pos_BxT[:, :, None]
   seen_BxTxS = k_valid_BxS[:, None, :] & (kp <= qp)
   if window is not None:
     seen_BxTxS = seen_BxTxS & (kp > qp - window)
   if chunk is not None:  # chunked local attention (Llama 4): keys of the query's own chunk only
     seen_BxTxS = seen_BxTxS & (kp // chunk == qp // chunk)
-  seen = seen_BxTxS[:, None, None]
-  s_BxKxGxTxS = jnp.where(seen, s_BxKxGxTxS, _NEG)
-  m_BxKxGxT = s_BxKxGxTxS.max(axis=-1)
-  if sinks_N is not None:
-    sink_1xKxGx1 = sinks_N.astype(jnp.float32).reshape(1, K, G, 1)
-    m_BxKxGxT = jnp.maximum(m_BxKxGxT, sink_1xKxGx1)
-  e_BxKxGxTxS = jnp.where(seen, jnp.exp(s_BxKxGxTxS - m_BxKxGxT[..., None]), 0.0)
-  l_BxKxGxT = e_BxKxGxTxS.sum(axis=-1)
-  if sinks_N is not None:
-    l_BxKxGxT = l_BxKxGxT + jnp.exp(sink_1xKxGx1 - m_BxKxGxT)
-  p_BxKxGxTxS = e_BxKxGxTxS / jnp.where(l_BxKxGxT > 0, l_BxKxGxT, 1.0)[..., None]
-  out = jnp.einsum("bkgts,bskh->btkgh", p_BxKxGxTxS, v_BxSxKxV.astype(jnp.float32))
-  return out.reshape(B, T, N * Hv).astype(q_BxTxNxH.dtype)
+  out = attention.masked_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV.astype(jnp.float32),
+                                   seen_BxTxS, scale=scale, softcap=softcap_, sinks_N=sinks_N)
+  return out.reshape(B, T, -1)
 
 
 def refuse_uncached(cfg: ModelConfig) -> None:
