@@ -8,6 +8,8 @@
   formats.py     rows as documents: text, alpaca, sharegpt, messages, prompt_completion, preference
   chat.py        a tokenizer's chat template rendered as transformers renders it, assistant masks
   tokenize.py    tokenizing sources (a mixture of them) into a prepared directory (prepare)
+  images.py      images of vision-language data as each family's HF processor prepares them,
+                 their placeholders expanded in the token ids, Qwen's M-RoPE positions
   __main__.py    the prepare command
 """
 
