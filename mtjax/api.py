@@ -20,6 +20,7 @@ import numpy as np
 
 from mtjax import hf, models
 from mtjax.config import ModelConfig
+from mtjax.models import vision
 from mtjax.models.layers import Ctx
 
 
@@ -44,7 +45,8 @@ def load_hf(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
 
 
 def forward(cfg: ModelConfig, params: dict, input_ids, *, dtype=jnp.float32, positions=None,
-            segments=None, attention: str = "xla", logits_dtype=jnp.float32, aux: bool = False):
+            segments=None, attention: str = "xla", logits_dtype=jnp.float32, aux: bool = False,
+            pixel_values=None):
   """The whole model: logits [B, T, V] of `input_ids` [B, T] (`logits_dtype`, float32 unless asked).
 
   Args:
@@ -57,6 +59,9 @@ def forward(cfg: ModelConfig, params: dict, input_ids, *, dtype=jnp.float32, pos
     attention: "xla" (scores whole), "blockwise" (mtjax.attention) or "cudnn".
     aux: also return (auxiliary loss, metrics) of a mixture of experts' routers (0 and {} for a
       dense model): the load-balancing loss the training loss adds.
+    pixel_values: a vision-language model's images (model.vision): Hugging Face's [N, C, H, W]
+      in the order of the image tokens, or [B, M, C, H, W] per row; their features replace the
+      image tokens' embeddings.
   """
   spec = models.spec(cfg)
   ids = jnp.asarray(input_ids, jnp.int32)
@@ -64,11 +69,16 @@ def forward(cfg: ModelConfig, params: dict, input_ids, *, dtype=jnp.float32, pos
   ctx = Ctx(jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) if positions is None
             else jnp.asarray(positions, jnp.int32),
             None if segments is None else jnp.asarray(segments, jnp.int32))
+  if cfg.vision is not None:
+    images, slots = vision.image_inputs(cfg, np.asarray(input_ids), pixel_values)
+    ctx = Ctx(ctx.positions, ctx.segments, jnp.asarray(images), jnp.asarray(slots))
+  elif pixel_values is not None:
+    raise ValueError(f"pixel_values: model.family {cfg.family} has no vision tower")
   cast = lambda tree: jax.tree.map(lambda a: jnp.asarray(a).astype(dtype), tree)
   x = spec.embed(dtype).apply({"params": params["embed"]}, ids)
   sums = []
   for (_, kind), p in zip(spec.groups[1:-1], params["blocks"]):
-    x, block_sums = spec.block(kind, attention).apply({"params": cast(p)}, x, ctx)
+    x, block_sums = spec.block(kind, attention, dtype=dtype).apply({"params": cast(p)}, x, ctx)
     sums.append(block_sums)
   table = cast(params["embed"]["table"]) if cfg.tie_embeddings else None
   logits = spec.head().apply({"params": cast(params["head"])}, x, table).astype(logits_dtype)

@@ -107,6 +107,61 @@ class LinearAttentionConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class VisionConfig:
+  """A vision tower whose image features replace the image tokens' embeddings (LLaVA's CLIP,
+  Gemma 3's SigLIP): patches embedded, `layers` encoder blocks, a projector to model.hidden."""
+  tower: Literal["clip", "siglip"] = "clip"  # CLIP (a class token, a LayerNorm before the blocks) or SigLIP (a conv bias, a LayerNorm after them)
+  hidden: int = 32  # the tower's width
+  layers: int = 2  # encoder blocks the features are taken after (a checkpoint's later blocks are not run)
+  heads: int = 4  # attention heads of each block
+  ffn: int = 64  # inner width of each block's MLP
+  image_size: int = 28  # pixels on each side of an image (the processor's output)
+  patch: int = 14  # pixels on each side of a patch
+  channels: int = 3  # colour channels
+  act: Literal["quick_gelu", "gelu", "gelu_tanh"] = "quick_gelu"  # the blocks' MLP activation
+  norm_eps: float = 1e-5  # the tower's LayerNorm epsilon
+  drop_cls: bool = True  # features without the class token (LLaVA's "default" strategy); clip only
+  projector: Literal["mlp", "pool"] = "mlp"  # two linears with an activation (LLaVA), or average-pooled patches, an RMSNorm and one matrix (Gemma 3)
+  projector_act: Literal["gelu", "gelu_tanh", "silu"] = "gelu"  # mlp only: the activation between its linears
+  projector_bias: bool = True  # mlp only: biases on its linears
+  tokens_per_image: int | None = None  # pool only: image tokens after pooling (a square number); None: every patch
+  image_token_id: int = 0  # the text token each image feature replaces
+  max_images: int = 1  # image slots per sequence (a static shape: rows with fewer images pad them)
+
+  def __post_init__(self):
+    _positive(self, "hidden", "layers", "heads", "ffn", "image_size", "patch", "channels",
+              "norm_eps", "max_images", section="model.vision.")
+    if self.hidden % self.heads:
+      raise ConfigError(f"model.vision.heads: {self.heads} does not divide model.vision.hidden "
+                        f"({self.hidden})")
+    if self.image_size % self.patch:
+      raise ConfigError(f"model.vision.patch: {self.patch} does not divide "
+                        f"model.vision.image_size ({self.image_size})")
+    if self.tokens_per_image is not None:
+      side = math.isqrt(self.tokens_per_image)
+      if self.projector != "pool" or side * side != self.tokens_per_image or self.patches_per_side % side:
+        raise ConfigError(f"model.vision.tokens_per_image: {self.tokens_per_image} must be a "
+                          f"square whose side divides the {self.patches_per_side} patches a side, "
+                          "with model.vision.projector pool")
+
+  @property
+  def patches_per_side(self) -> int:
+    return self.image_size // self.patch
+
+  @property
+  def seq(self) -> int:
+    """Tokens the tower attends over per image: its patches, and CLIP's class token."""
+    return self.patches_per_side ** 2 + (self.tower == "clip")
+
+  @property
+  def image_tokens(self) -> int:
+    """Text positions one image fills: its projected features."""
+    if self.projector == "pool":
+      return self.tokens_per_image or self.patches_per_side ** 2
+    return self.seq - (self.tower == "clip" and self.drop_cls)
+
+
+@dataclasses.dataclass(frozen=True)
 class RopeConfig:
   """Rotary position embeddings: the base, a frequency scaling rule and its parameters."""
   theta: float = 10000.0  # RoPE base
@@ -162,7 +217,7 @@ def upgrade_model_section(raw_model: dict) -> dict:
 
 # Model keys that say how a mixture trains or how a DeltaNet's scan is split, not what the model
 # computes: a run may set them on an imported model, and a checkpoint resumes under other values.
-TRAINING_KNOBS = ("aux_loss_coef", "z_loss_coef", "capacity_factor", "chunk")
+TRAINING_KNOBS = ("aux_loss_coef", "z_loss_coef", "capacity_factor", "chunk", "max_images")
 
 
 def derived_widths(model: dict) -> dict:
@@ -232,6 +287,7 @@ class ModelConfig:
   moe: MoEConfig | None = None  # a mixture-of-experts feed-forward in the MoE layers
   mla: MLAConfig | None = None  # multi-head latent attention instead of GQA (DeepSeek)
   linear: LinearAttentionConfig | None = None  # the gated DeltaNet of the "linear" layers (Qwen3-Next)
+  vision: VisionConfig | None = None  # a vision tower whose features fill the image tokens (LLaVA, Gemma 3)
   init_std: float = 0.02  # std of the normal init of every matrix
 
   def __post_init__(self):
@@ -296,9 +352,18 @@ class ModelConfig:
         raise ConfigError(f"model.rope.short_factor / long_factor: longrope needs {half} values "
                           f"each (half the {self.rotary_dim} RoPE channels), got "
                           f"{len(rope.short_factor)} and {len(rope.long_factor)}")
+    if self.vision is not None and not 0 <= self.vision.image_token_id < self.vocab_size:
+      raise ConfigError(f"model.vision.image_token_id: {self.vision.image_token_id} is not a token "
+                        f"id (vocab_size {self.vocab_size})")
     if self.moe is not None and self.moe.first_dense_layers > self.layers:
       raise ConfigError(f"model.moe.first_dense_layers: {self.moe.first_dense_layers} exceeds "
                         f"model.layers ({self.layers})")
+
+  @property
+  def block_groups(self) -> int:
+    """Groups between the embedding and the head: the vision tower's (its embedding, blocks and
+    projector) and the decoder's blocks."""
+    return self.layers + (0 if self.vision is None else self.vision.layers + 2)
 
   @property
   def n_kv_heads(self) -> int:

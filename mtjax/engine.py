@@ -38,6 +38,7 @@ import numpy as np
 from mtjax import objectives, programs
 from mtjax.config import Config
 from mtjax.data import Batch
+from mtjax.models import vision
 from mtjax.models.layers import Ctx
 from mtjax.optimizer import clip_scale
 from mtjax.store import LayerStore
@@ -247,7 +248,7 @@ class Engine:
     self.device = store.mesh.devices.flat[0]
     e = cfg.engine
     # The first kept block inputs wait in host memory (raises while activations are still auto).
-    self.on_host = e.activations_on_host(cfg.model.layers)
+    self.on_host = e.activations_on_host(cfg.model.block_groups)
     self.spec = store.spec
     tc = cfg.train
     self.objective = objective or objectives.get(tc)
@@ -338,6 +339,7 @@ class Engine:
       a = getattr(batch, name, None)
       if a is not None and np.shape(a) != (B, T):
         raise ValueError(f"batch.{name}: expected shape {(B, T)}, got {np.shape(a)}")
+    images = self._images(batch)
     rows, scalars = (head_inputs or self.objective.head_inputs)(batch)
     pos = getattr(batch, "positions", None)
     seg = getattr(batch, "segments", None)
@@ -348,9 +350,21 @@ class Engine:
       part = lambda a: a[k * B // K:(k + 1) * B // K]
       put = lambda a, dtype=np.int32: self._split(np.asarray(part(a), dtype))
       ctx = Ctx(put(pos), None if seg is None else put(seg))
+      if images is not None:
+        ctx = Ctx(ctx.positions, ctx.segments, put(images[0], np.float32), put(images[1]))
       args = tuple(put(a, np.int32 if a.dtype.kind in "iu" else np.float32) for a in rows)
       out.append(_Inputs(put(batch.inputs), ctx, args + scalars))
     return out
+
+  def _images(self, batch: Batch) -> tuple[np.ndarray, np.ndarray] | None:
+    """(images, image slots) of a model with a vision tower (mtjax.models.vision.image_inputs),
+    else None."""
+    if self.cfg.model.vision is None:
+      return None
+    try:
+      return vision.image_inputs(self.cfg.model, batch.inputs, getattr(batch, "images", None))
+    except ValueError as e:
+      raise ValueError(f"batch: {e}") from None
 
   def _split(self, a: np.ndarray) -> jax.Array:
     """A host array of the global batch split over the devices' `data` axis: each process puts

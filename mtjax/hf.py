@@ -14,8 +14,10 @@ bfloat16: bf16 travels as uint16 bit patterns. Neither torch nor transformers is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import shutil
 import struct
 import uuid
@@ -26,7 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from mtjax import models
-from mtjax.config import ModelConfig, derived_widths
+from mtjax.config import TRAINING_KNOBS, ModelConfig, derived_widths
 from mtjax.models import FamilyError, Piece, Stored
 
 
@@ -138,6 +140,23 @@ class Checkpoint:
         if name not in self.entries or self.entries[name].file.name != file:
           raise HFError(f"{index}: tensor {name} not found in {file}")
 
+  def canonical(self, family: models.Family):
+    """Renames the stored tensors to the spelling `family`'s pieces use (Family.renames); a
+    clash of two stored names on one is refused."""
+    if not family.renames or getattr(self, "_renamed", None) == family.name:
+      return
+    out = {}
+    for name, e in self.entries.items():
+      new = name
+      for pattern, repl in family.renames:
+        new, n = re.subn(pattern, repl, name, count=1)
+        if n:
+          break
+      if new in out:
+        raise HFError(f"{e.file}: tensors {name} and another both read as {new}")
+      out[new] = e
+    self.entries, self._renamed = out, family.name
+
   def model_fields(self) -> dict:
     """ModelConfig keyword arguments from config.json (see the module-level `model_fields`)."""
     return model_fields(self.config, str(self.dir / "config.json"))
@@ -169,6 +188,7 @@ class Checkpoint:
     one of the family's decoders reads it); nothing else may be left over, except lm_head.weight
     of a tied model and what the family tolerates (`Family.ignored`).
     """
+    self.canonical(spec.family)
     expected: dict[str, Piece] = {}
     for g, _ in spec.groups:
       for p in spec.family.pieces(spec.cfg, g, spec.group_layout(g)):
@@ -207,6 +227,7 @@ class Checkpoint:
       name: "embed", "block_<i>" or "head".
       out: the group's flat fp32 vector, written in place.
     """
+    self.canonical(spec.family)
     lay = spec.group_layout(name)
     if out.shape != (lay.size,) or out.dtype != np.float32:
       raise HFError(f"{name}: buffer {out.shape} {out.dtype}, expected ({lay.size},) float32")
@@ -375,6 +396,11 @@ def _export_config(cfg: ModelConfig, dtype: str, source_dir) -> dict:
   for key, value in fields.items():
     if key == "max_position" and cfg.max_position is None:  # a model that states none takes it
       continue
+    if dataclasses.is_dataclass(mine[key]) and dataclasses.is_dataclass(theirs[key]):
+      ours, file = (dataclasses.asdict(x) for x in (mine[key], theirs[key]))  # a section
+      if {k: v for k, v in ours.items() if k not in TRAINING_KNOBS} == {
+          k: v for k, v in file.items() if k not in TRAINING_KNOBS}:
+        continue
     if key not in _NOT_ARCHITECTURE and mine[key] != theirs[key]:
       raise HFError(f"{where}: gives model.{key}={value!r}, the weights have "
                     f"{getattr(cfg, key)!r}")

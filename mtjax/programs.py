@@ -93,11 +93,11 @@ def block_fns(spec: models.ModelSpec, kind: str, cd, micro_batch: int | None, de
               attention: str | None, seq_tile: int | None, strided: bool, moe_impl: str):
   """(block_fwd, block_bwd) of one block kind, micro-batched (signatures: LayerFns); the backward
   re-runs the forward under jax.vjp, one micro-batch at a time."""
-  block = spec.block(kind, attention, seq_tile, moe_impl)
+  block = spec.block(kind, attention, seq_tile, moe_impl, dtype=cd)
   lay = spec.layouts[kind]
 
-  def n_micro(x):
-    return 1 if micro_batch is None else x.shape[0] // (micro_batch * devices)
+  def n_micro(x):  # x: the activations, or a vision tower's (x, features) pair
+    return 1 if micro_batch is None else jax.tree.leaves(x)[0].shape[0] // (micro_batch * devices)
 
   def apply_block(wc, x, ctx):
     return block.apply({"params": lay.unflatten(wc)}, x, ctx)
@@ -107,10 +107,9 @@ def block_fns(spec: models.ModelSpec, kind: str, cd, micro_batch: int | None, de
     n = n_micro(x_BxTxD)
     if n == 1:
       return apply_block(wc, x_BxTxD, ctx)
-    split = lambda a: _micro(a, n, strided)
-    y, aux = jax.lax.map(lambda xs: apply_block(wc, *xs),
-                         (split(x_BxTxD), jax.tree.map(split, ctx)))
-    return _unmicro(y, strided), jax.tree.map(lambda a: a.sum(0), aux)
+    split = lambda a: jax.tree.map(lambda b: _micro(b, n, strided), a)
+    y, aux = jax.lax.map(lambda xs: apply_block(wc, *xs), (split(x_BxTxD), split(ctx)))
+    return jax.tree.map(lambda a: _unmicro(a, strided), y), jax.tree.map(lambda a: a.sum(0), aux)
 
   def block_bwd(w, x_BxTxD, ctx, dy_BxTxD, daux):
     wc = w.astype(cd)
@@ -124,10 +123,10 @@ def block_fns(spec: models.ModelSpec, kind: str, cd, micro_batch: int | None, de
       g, dxm = pullback((dym, daux))
       return acc + g.astype(jnp.float32), dxm
 
-    split = lambda a: _micro(a, n, strided)
+    split = lambda a: jax.tree.map(lambda b: _micro(b, n, strided), a)
     g, dx = jax.lax.scan(one, jnp.zeros(w.shape, jnp.float32),
-                         (split(x_BxTxD), jax.tree.map(split, ctx), split(dy_BxTxD)))
-    return _unmicro(dx, strided), g, jnp.sum(g * g)
+                         (split(x_BxTxD), split(ctx), split(dy_BxTxD)))
+    return jax.tree.map(lambda a: _unmicro(a, strided), dx), g, jnp.sum(g * g)
 
   return block_fwd, block_bwd
 
@@ -302,6 +301,12 @@ def shaped_calls(programs: Programs, rows: int, seq: int, device: jax.Device,
   S = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
   x, tok = S((rows, seq, cfg.hidden), cd), S((rows, seq), jnp.int32)
   ctx = Ctx(tok, tok if documents else None)
+  pair = None
+  if cfg.vision is not None:  # the tower's layers carry (x, features) and read the images
+    v = cfg.vision
+    ctx = Ctx(tok, ctx.segments, S((rows, v.max_images, v.channels, v.image_size, v.image_size),
+                                   jnp.float32), tok)
+    pair = (x, S((rows, v.max_images, v.seq, v.hidden), cd))
   w = {k: S((lay.size,), jnp.float32) for k, lay in spec.layouts.items()}
   table = w["embed"] if cfg.tie_embeddings else None
   calls = {
@@ -311,7 +316,9 @@ def shaped_calls(programs: Programs, rows: int, seq: int, device: jax.Device,
   }
   for kind in spec.kinds:
     fwd, bwd = programs.block_fwd[kind], programs.block_bwd[kind]
-    _, daux = jax.eval_shape(fwd, w[kind], x, ctx)
-    calls[f"{kind} forward"] = (fwd, (w[kind], x, ctx))
-    calls[f"{kind} backward"] = (bwd, (w[kind], x, ctx, x, daux))
+    inp = pair if kind in ("vision", "projector") else x
+    out, daux = jax.eval_shape(fwd, w[kind], inp, ctx)
+    dy = jax.tree.map(lambda a: S(a.shape, a.dtype), out)
+    calls[f"{kind} forward"] = (fwd, (w[kind], inp, ctx))
+    calls[f"{kind} backward"] = (bwd, (w[kind], inp, ctx, dy, daux))
   return calls

@@ -78,7 +78,7 @@ def placement(cfg: Config) -> list[Tier]:
   """The tier of each group from a resolved config: the first `engine.device_state_layers` groups
   in device memory, the next `engine.device_update_layers` streamed, the rest on the host."""
   e = cfg.engine
-  n = cfg.model.layers + 2
+  n = cfg.model.block_groups + 2
   if "auto" in (e.device_state_layers, e.device_update_layers, e.grad_queue):
     raise ValueError("engine placement is 'auto': resolve it with mtjax.launch.plan_run(cfg) first")
   n_dev = min(e.device_state_layers, n)

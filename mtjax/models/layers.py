@@ -163,6 +163,8 @@ class Ctx:
   """
   positions: jax.Array  # [B, T] int32
   segments: jax.Array | None = None  # [B, T] int32 document ids, or None
+  images: jax.Array | None = None  # [B, M, C, H, W] pixels of each row's image slots (model.vision)
+  image_slots: jax.Array | None = None  # [B, T] int32 the image feature each position takes, -1: none
 
   @classmethod
   def default(cls, B: int, T: int) -> "Ctx":

@@ -93,6 +93,8 @@ class Family:
       quantization_config whose quant_method none of them decodes is refused.
     ignored: (config.json dict, tensor name) -> whether a checkpoint tensor that is no weight of
       the model (a derived buffer, a head transformers does not load either) is tolerated.
+    renames: (pattern, replacement) regular expressions that turn the other spellings of a stored
+      tensor's name into the one `pieces` uses (the first that matches applies).
     notes: what it supports and what not, one line (README's family table).
     module: the module that declares it (its config translation's).
   """
@@ -104,6 +106,7 @@ class Family:
   aux_loss: Callable | None = None
   decoders: tuple[Decoder, ...] = ()
   ignored: Callable[[dict, str], bool] = rotary_buffers
+  renames: tuple[tuple[str, str], ...] = ()
   notes: str = ""
   module: str = dataclasses.field(init=False)
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from mtjax.config import ModelConfig
 from mtjax.layout import Layout
-from mtjax.models import deltanet, moe
+from mtjax.models import deltanet, moe, vision
 from mtjax.models.block import Block
 from mtjax.models.layers import Embed, Head, block_kind
 from mtjax.models.registry import Family, get
@@ -28,8 +28,21 @@ class ModelSpec:
   layouts: dict  # kind name ("embed", "head", each block kind) -> Layout
 
   def block(self, kind: str, implementation: str | None = None, seq_tile: int | None = None,
-            moe_impl: str = "ragged") -> Block:
+            moe_impl: str = "ragged", dtype=jnp.float32):
+    """The module of a block kind: a decoder Block, or a vision tower layer (mtjax.models.vision,
+    computing in `dtype`)."""
+    if kind in vision.KINDS:
+      return vision.module(self.cfg, kind, dtype)
     return Block(self.cfg, self.kinds[kind], implementation, seq_tile, moe_impl)
+
+  @property
+  def tower(self) -> int:
+    """Block groups before the decoder's: the vision tower's (embedding, blocks, projector)."""
+    return len(vision.group_kinds(self.cfg))
+
+  def text_layer(self, block: int) -> int | None:
+    """The decoder layer index of the `block`-th block group, None for a tower group."""
+    return None if block < self.tower else block - self.tower
 
   def embed(self, dtype=jnp.float32) -> Embed:
     return Embed(self.cfg, dtype)
@@ -117,8 +130,9 @@ class ModelSpec:
   def init_value(self, path: tuple[str, ...]) -> str:
     """How a parameter starts: "normal" (N(0, init_std)), "ones" or "zeros"."""
     leaf = path[-1]
-    if leaf == "scale":  # a DeltaNet's gated norm scales by w in every family
-      return "zeros" if self.cfg.norm_offset and path[-2] != "out_norm" else "ones"
+    if leaf == "scale":  # a DeltaNet's gated norm and the vision tower's LayerNorms scale by w
+      plain = path[-2] in ("out_norm", "norm1", "norm2", "pre_norm", "post_norm")
+      return "zeros" if self.cfg.norm_offset and not plain else "ones"
     if leaf in ("bias", "sinks", "e_bias", "A_log"):  # A_log 0: a decay rate of 1 per step
       return "zeros"
     if leaf == "dt_bias":
@@ -138,7 +152,11 @@ def _layouts(cfg: ModelConfig, kinds: dict) -> dict[str, Layout]:
   out = {"embed": shapes(Embed(cfg), ((1, 2), jnp.int32)),
          "head": shapes(Head(cfg), x, ((cfg.vocab_size, cfg.hidden), jnp.float32))}
   for name, kind in kinds.items():
-    out[name] = shapes(Block(cfg, kind), x)
+    if name in vision.KINDS:
+      out[name] = jax.eval_shape(lambda k=name: vision.module(cfg, k).init(
+          jax.random.key(0), *vision.sample_carry(cfg, k)))["params"]
+    else:
+      out[name] = shapes(Block(cfg, kind), x)
   return {k: Layout.from_shapes(v) for k, v in out.items()}
 
 
@@ -146,8 +164,9 @@ def _layouts(cfg: ModelConfig, kinds: dict) -> dict[str, Layout]:
 def spec(cfg: ModelConfig) -> ModelSpec:
   """The model spec of `cfg`: its family, layer kinds in order, layouts and counts."""
   family = get(cfg.family)
+  tower = vision.group_kinds(cfg)
   order = [block_kind(cfg, i) for i in range(cfg.layers)]
-  kinds = {k.name: k for k in order}
-  groups = (("embed", "embed"), *((f"block_{i}", k.name) for i, k in enumerate(order)),
-            ("head", "head"))
+  kinds = {k.name: k for _, k in tower} | {k.name: k for k in order}
+  groups = (("embed", "embed"), *((g, k.name) for g, k in tower),
+            *((f"block_{i}", k.name) for i, k in enumerate(order)), ("head", "head"))
   return ModelSpec(cfg, family, groups, kinds, _layouts(cfg, kinds))

@@ -7,6 +7,7 @@ import dataclasses
 import math
 
 from mtjax import config as config_lib, models, objectives
+from mtjax.models import vision
 from mtjax.plan.memory import (DEVICE_TIER_HOST_SHARE, GiB, RUNTIME_HOST_BYTES,
                                RUNTIME_HOST_BYTES_CPU, SAVED_INPUT_ROUNDING, hf_staging_bytes,
                                pinned_pool_bytes)
@@ -114,7 +115,7 @@ def make(cfg: config_lib.Config, host_limit: int | None = None, device_limit: in
     return _saved_inputs(cfg, lambda c: make(c, host_limit, device_limit, rates, working,
                                             opt_bytes, pinned_cap))
   e = cfg.engine
-  G = cfg.model.layers + 2
+  G = cfg.model.block_groups + 2
   plans: dict[tuple[int, int, int], Plan] = {}
   # auto: the placement is searched at a queue of 4, or of the shallowest where nothing fits at 4
   # (a slot holds a host group's fp32 gradient: the largest models need every byte of the host).
@@ -175,7 +176,7 @@ def _saved_inputs(cfg: config_lib.Config, make_plan) -> Plan:
   spill (a larger one only re-computes more). Spill counts are tried from 0 up: device bytes need
   not fall as more are spilled, since host bytes grow and `device_state_layers: auto` may then move
   state to the device."""
-  e, L = cfg.engine, cfg.model.layers
+  e, L = cfg.engine, cfg.model.block_groups
   with_ = lambda k, a: make_plan(dataclasses.replace(cfg, engine=dataclasses.replace(
       e, activations_every=k, activations=a)))
   fits = lambda p: p.fits_device and p.fits_host and p.fits_pool
@@ -401,7 +402,7 @@ class _PassShape:
 
   @classmethod
   def of(cls, cfg: config_lib.Config) -> _PassShape:
-    e, t, o, L = cfg.engine, cfg.train, cfg.optim, cfg.model.layers
+    e, t, o, L = cfg.engine, cfg.train, cfg.optim, cfg.model.block_groups
     act = 2 if e.compute_dtype == "bfloat16" else 4
     rows = t.batch // t.grad_accum
     return cls(t.grad_accum, rows, act, rows * t.seq * cfg.model.hidden * act,
@@ -543,10 +544,13 @@ def _compute(cfg: config_lib.Config, spec: models.ModelSpec, g: _Groups, shape: 
                for i, rate in enumerate(attn_rate)]
   seconds = lambda matmul, attn: (matmul / rates.matmul_tflops + attn) / (nd * 1e12)
   # each block's matrix parameters a token uses, and its attention in the forward: FLOPs / rate
+  # (a vision tower's groups, first: their matmuls over its own tokens, at the matmul rate)
   kinds = [k for _, k in spec.groups]
-  block_matmul = [spec.matmul_params(kinds[i + 1]) for i in range(L)]
-  attn_fwd = [spec.mixer_forward_flops(i, t.batch, t.seq, causal_pairs) / attn_rate[i]
-              for i in range(L)]
+  text = [spec.text_layer(j) for j in range(m.block_groups)]
+  block_matmul = [0 if i is None else spec.matmul_params(kinds[j + 1]) for j, i in enumerate(text)]
+  attn_fwd = [vision.forward_flops(m, kinds[j + 1], t.batch) / rates.matmul_tflops if i is None
+              else spec.mixer_forward_flops(i, t.batch, t.seq, causal_pairs) / attn_rate[i]
+              for j, i in enumerate(text)]
   # the LM head: forward and backward, and the objective's extra forwards (dpo: one, first)
   head_flops = (6 + 2 * objectives.get(t).head_forwards) * D * V * tokens
   # its memory traffic: the logits' passes, and each chunk's pass over the head's weights (every
@@ -561,7 +565,8 @@ def _compute(cfg: config_lib.Config, spec: models.ModelSpec, g: _Groups, shape: 
            + DEVICE_UPDATE_BYTES * rates.device_update_factor * g.params(g.stream + g.device)
            / (rates.hbm_gbps * 1e9))
   # the schedule's layers are one pass's (simulate runs G of them per step)
-  block_fwd = [seconds(2 * block_matmul[i] * tokens, attn_fwd[i]) / G for i in range(L)]
+  block_fwd = [seconds(2 * block_matmul[j] * tokens, attn_fwd[j]) / G
+               for j in range(m.block_groups)]
   return _Compute(total, block_fwd, (seconds(head_flops, 0) + head_mem_s) / G)
 
 
