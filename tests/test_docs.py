@@ -29,9 +29,10 @@ def test_config_reference_shows_every_field_with_its_default_and_comment():
                        ("train.grpo", config.GRPOConfig),
                        ("model.rope", config.RopeConfig), ("model.moe", config.MoEConfig),
                        ("model.mla", config.MLAConfig),
-                       ("model.linear", config.LinearAttentionConfig)):
+                       ("model.linear", config.LinearAttentionConfig),
+                       ("model.vision", config.VisionConfig)):
     for f in cls.__dataclass_fields__.values():
-      if f.name in ("rope", "moe", "mla", "linear", "dpo", "grpo"):
+      if f.name in ("rope", "moe", "mla", "linear", "vision", "dpo", "grpo"):
         continue
       row = re.search(rf"^\| `{re.escape(section)}\.{f.name}` \|.*$", text, re.M)
       assert row, f"{section}.{f.name} missing from the config reference"
