@@ -519,9 +519,11 @@ class DPOConfig:
 
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig:
-  """Group-relative policy optimisation with verifiable rewards (mtjax.grpo): each step samples
-  `group` completions of each of train.batch / group prompts from the current weights, scores them
-  and weights each completion's tokens by its reward's standing in its group."""
+  """Group-relative policy optimisation with verifiable rewards (mtjax.grpo): each generation
+  batch samples `group` completions of each of train.batch / group prompts from the current
+  weights, scores them and weights each completion's tokens by its reward's standing in its group,
+  for steps_per_generation optimizer steps of the clipped surrogate (plus kl_coef x a KL to the
+  initial weights)."""
   group: int = 8  # completions per prompt (G); train.batch must be a multiple of it
   max_new_tokens: int = 64  # the longest completion; prompt + completion must fit train.seq
   temperature: float = 1.0  # sampling temperature of the completions (> 0)
@@ -534,9 +536,20 @@ class GRPOConfig:
   loss_agg: Literal["sequence", "token", "constant"] = "sequence"  # mean over each completion's tokens then over completions (GRPO); over all tokens of the batch (DAPO); sum over rows x max_new_tokens (Dr. GRPO)
   chat: bool = True  # prompts as a user message in the tokenizer's chat template, where it has one
   tokenizer: str | None = None  # folder of tokenizer.json (decodes completions for the rewards); None: model.from_hf's
+  steps_per_generation: int = 1  # optimizer steps on each generation batch (mu): each one trains on the whole batch again, against the log-probs of the weights that sampled it
+  clip_eps: float = 0.2  # the policy ratio's clip below, 1 - clip_eps (and above where clip_eps_high is None); binds only when steps_per_generation > 1
+  clip_eps_high: float | None = None  # the ratio's clip above, 1 + clip_eps_high (DAPO's clip-higher); None: clip_eps
+  kl_coef: float = 0.0  # weight of the k3 KL estimate to the initial weights in the loss; > 0 keeps a copy of the initial weights in host memory (4 B/param)
+  eval_path: str | None = None  # held-out prompts (a file like data.path's) that train.eval_every scores with greedy completions
 
   def __post_init__(self):
-    _positive(self, "group", "max_new_tokens", "temperature")
+    _positive(self, "group", "max_new_tokens", "temperature", "steps_per_generation")
+    if not 0 < self.clip_eps < 1:
+      raise ConfigError(f"train.grpo.clip_eps: {self.clip_eps} must be in (0, 1)")
+    if self.clip_eps_high is not None and self.clip_eps_high <= 0:
+      raise ConfigError(f"train.grpo.clip_eps_high: {self.clip_eps_high} must be > 0 or null")
+    if self.kl_coef < 0:
+      raise ConfigError(f"train.grpo.kl_coef: {self.kl_coef} must be >= 0")
     if self.group < 2:
       raise ConfigError(f"train.grpo.group: {self.group} completions give no group to compare; "
                         "need >= 2")
@@ -572,7 +585,7 @@ class TrainConfig:
   overwrite: bool = False  # start afresh in a checkpoint_dir that holds another run's checkpoints (deletes them)
   allow_low_disk: bool = False  # start even when the free disk space is below what the checkpoints and export need (the plan's disk lines)
   max_skipped_steps: int = 5  # stop after this many steps in a row with a non-finite loss or gradient
-  eval_every: int = 0  # steps between held-out evaluations on the prepared data's val split; 0: none
+  eval_every: int = 0  # steps between held-out evaluations on the prepared data's val split (grpo: the greedy rewards of train.grpo.eval_path's prompts); 0: none
   eval_batches: int = 16  # at most this many held-out batches per evaluation
   run_dir: str | None = None  # run folder (config, plan, metrics.jsonl, TensorBoard); None: checkpoint_dir, else runs/<time>
   trackers: tuple[Literal["jsonl", "tensorboard", "wandb"], ...] = ("jsonl", "tensorboard")  # where metrics go: metrics.jsonl (required: report and resume read it), TensorBoard files in run_dir/tb, a Weights & Biases run (pip install wandb; WANDB_MODE=offline works)
@@ -611,7 +624,8 @@ class Config:
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
 
   def __post_init__(self):
-    if self.train.eval_every and self.data.source != "prepared":
+    # grpo's held-out prompts are a file of their own (train.grpo.eval_path; its check)
+    if self.train.eval_every and self.data.source != "prepared" and self.train.objective != "grpo":
       raise ConfigError(f"train.eval_every: {self.train.eval_every} needs held-out data: prepared "
                         f"data with a val split (data.source=prepared, from `python -m mtjax.data "
                         f"prepare --val-fraction 0.02`); set train.eval_every=0 to train without it")

@@ -545,6 +545,20 @@ class Engine:
     return np.asarray(jax.device_get(self._forward(inp, aux=False, head=self._logps)),
                       np.float32)
 
+  def token_logps(self, batch: Batch, store=None) -> np.ndarray:
+    """Each target's log-prob [B, T] under the current weights, or under `store`'s (another
+    holder of this model's weights with the LayerStore methods the forward calls: blocks, fetch,
+    is_resident, to_host; a frozen reference copy), in train.grad_accum passes like a step's:
+    streamed forwards, nothing kept, no update."""
+    slices = self._inputs(batch, head_inputs=lambda b: ((b.targets,), ()))
+    head, own = self.programs.head_token_logps, self.store
+    self.store = store or own  # the forward fetches from self.store
+    try:
+      return np.concatenate([np.asarray(jax.device_get(self._forward(inp, aux=False, head=head)),
+                                        np.float32) for inp in slices])
+    finally:
+      self.store = own
+
   def evaluate(self, batches) -> float:
     """Token loss over the targets of several batches (held-out data), no gradient kept, no
     update: sum(nll * w) / sum(w) with each batch's loss weights. Batches weighing nothing are

@@ -1,33 +1,49 @@
 """Group-relative policy optimisation with verifiable rewards (`train.objective: grpo`).
 
-Each step takes train.batch / G prompts, samples G completions of each from the current weights
-(mtjax.generate, the KV-cache sampler over the same layer modules), scores every completion with
-the reward functions (`REWARDS`, or a user's `module:function`), and turns the rewards into
-advantages within each prompt's group:
+A generation batch takes train.batch / G prompts, samples G completions of each from the current
+weights (mtjax.generate, the KV-cache sampler over the same layer modules), scores every
+completion with the reward functions (`REWARDS`, or a user's `module:function`), and turns the
+rewards into advantages within each prompt's group:
 
   A_i = r_i - mean(r of its group)              (train.grpo.scale_rewards: none, Dr. GRPO)
   A_i = (r_i - mean) / (std + 1e-4)             (group, GRPO; std with Bessel's correction)
 
-The loss is the policy-gradient surrogate over the completions' tokens,
+The batch is reused for train.grpo.steps_per_generation (mu) consecutive optimizer steps, each a
+whole step of the engine on the whole batch (no minibatches: the gradient of every step is the
+batch's). Per completion token, with the policy's log-prob logp, the sampling weights' old (one
+streamed forward under them before the first of the mu steps; with mu = 1 old = stop_gradient(logp))
+and the initial weights' ref, the loss is
 
-  L = -sum_{i,t} w_it * A_i * pi(y_it) / stop_gradient(pi(y_it)),
+  r_it  = exp(logp_it - old_it)
+  L     = -sum_it w_it min(r_it A_i, clip(r_it, 1 - eps_low, 1 + eps_high) A_i)
+          + beta sum_it w_it (exp(ref_it - logp_it) - (ref_it - logp_it) - 1)    (k3 KL)
 
-one optimizer step per generation batch, so the ratio is 1 and its clip never binds: the gradient
-is -sum w_it A_i grad log pi(y_it), the cross-entropy backward of the LM head weighted w_it A_i.
+(`clipped_surrogate`; eps_low = clip_eps, eps_high = clip_eps_high or clip_eps, beta = kl_coef).
 w spreads each completion's tokens (train.grpo.loss_agg): 1 / (n_i x rows) (sequence, GRPO),
 1 / (all completion tokens) (token, DAPO), 1 / (rows x max_new_tokens) (constant, Dr. GRPO).
-There is no KL term to a reference model, and no second optimizer step on a generation batch.
+The head computes logp by a chunked forward, the loss's gradient c_it with respect to each logp_it
+(-w A r where the unclipped branch is active, 0 where the clip binds, plus beta w (1 -
+exp(ref - logp))), and the chunked cross-entropy backward weighted -c gives the gradients of the
+hidden states and the head weights; with mu = 1 and no KL the ratio is 1 and the backward weighted
+w A alone is the gradient (no extra forward). The reference log-probs come from a frozen copy of
+the initial weights in host memory (`FrozenWeights`, 4 B/param, kept only when kl_coef > 0),
+streamed through the engine's forward every generation batch.
 
-A batch is a pure function of the step and the weights at its start: the prompts come in an order
-fixed by (train.seed, epoch), the sampler's seed is (train.seed, step); a resumed run samples what
-the uninterrupted one sampled. Prompts come from data.path, a JSONL, JSON or Parquet file of rows
-with a `prompt` (text) and an optional `answer` (what exact_answer checks against).
+A generation batch is a pure function of its index g = step // mu and the weights at its start:
+the prompts come in an order fixed by (train.seed, epoch), the sampler's seed is (train.seed, g).
+A checkpoint taken inside a generation batch holds its rollouts and log-probs (`position`), so a
+resumed run trains on what the uninterrupted one did. Prompts come from data.path, a JSONL, JSON
+or Parquet file of rows with a `prompt` (text) and an optional `answer` (what exact_answer checks
+against); train.grpo.eval_path holds the held-out ones that train.eval_every scores with greedy
+completions.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import importlib
+import io
 import json
 import math
 import re
@@ -35,6 +51,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -129,11 +146,11 @@ class Prompts:
   ids: list[list[int]]  # each prompt's tokens, the chat template applied where configured
 
 
-def read_rows(path: str | Path) -> list[dict]:
-  """The prompt file's rows: JSONL, a JSON list, or Parquet."""
+def read_rows(path: str | Path, key: str = "data.path") -> list[dict]:
+  """The prompt file's rows: JSONL, a JSON list, or Parquet (errors name `key`)."""
   p = Path(path)
   if not p.is_file():
-    raise ValueError(f"data.path: {p} is not a file of prompts (JSONL, JSON or Parquet rows with "
+    raise ValueError(f"{key}: {p} is not a file of prompts (JSONL, JSON or Parquet rows with "
                      f"a prompt field)")
   if p.suffix == ".parquet":
     import pyarrow.parquet as pq
@@ -148,32 +165,34 @@ def read_rows(path: str | Path) -> list[dict]:
       try:
         rows.append(json.loads(line))
       except json.JSONDecodeError:
-        raise ValueError(f"data.path: {p}: line {n} is not JSON") from None
+        raise ValueError(f"{key}: {p}: line {n} is not JSON") from None
   return rows
 
 
-def load_prompts(cfg: config_lib.Config, tokenizer, template) -> Prompts:
-  """The prompts of data.path tokenized (each as a user message in `template` when given); raises
-  ValueError naming the first row that has no prompt or does not leave room for a completion."""
+def load_prompts(cfg: config_lib.Config, tokenizer, template, key: str = "data.path") -> Prompts:
+  """The prompts of the file `key` names (data.path, or train.grpo.eval_path) tokenized (each as
+  a user message in `template` when given); raises ValueError naming the key and the first row
+  that has no prompt or does not leave room for a completion."""
   s, t = cfg.train.grpo, cfg.train
-  rows = read_rows(cfg.data.path)
+  path = cfg.data.path if key == "data.path" else s.eval_path
+  rows = read_rows(path, key)
   if not rows:
-    raise ValueError(f"data.path: {cfg.data.path} holds no rows")
+    raise ValueError(f"{key}: {path} holds no rows")
   texts, answers, ids = [], [], []
   room = t.seq + 1 - s.max_new_tokens  # a row holds t.seq + 1 tokens (inputs and targets)
   for n, row in enumerate(rows, 1):
     prompt = row.get("prompt") if isinstance(row, dict) else None
     if not isinstance(prompt, str) or not prompt:
-      raise ValueError(f"data.path: row {n} has no prompt text")
+      raise ValueError(f"{key}: row {n} has no prompt text")
     answer = row.get("answer")
     text = template.render([{"role": "user", "content": prompt}], True) if template else prompt
     toks = tokenizer.encode(text, add_special_tokens=template is None).ids
     if not toks or len(toks) > room:
-      raise ValueError(f"data.path: row {n}'s prompt is {len(toks)} tokens; train.seq "
+      raise ValueError(f"{key}: row {n}'s prompt is {len(toks)} tokens; train.seq "
                        f"{t.seq} leaves {room} beside train.grpo.max_new_tokens "
                        f"{s.max_new_tokens}")
     if max(toks) >= cfg.model.vocab_size:
-      raise ValueError(f"data.path: row {n}: token {max(toks)} is outside the model's vocabulary "
+      raise ValueError(f"{key}: row {n}: token {max(toks)} is outside the model's vocabulary "
                        f"({cfg.model.vocab_size})")
     texts.append(prompt)
     answers.append(None if answer is None else str(answer))
@@ -214,61 +233,167 @@ def tokenizer_and_template(cfg: config_lib.Config):
   return tok, template, eos
 
 
+# ---- the loss ------------------------------------------------------------------------------------
+
+def clipped_surrogate(logp_BxT, old_BxT, ref_BxT, w_BxT, mask_BxT, adv_B, per_token, low: float,
+                      high: float, beta: float):
+  """(loss, metrics) of a batch's completion tokens (the module docstring's L): old_BxT None is
+  stop_gradient(logp) (ratio 1), ref_BxT None leaves out the KL. Metrics are sums over mask_BxT
+  (the completion tokens) times per_token (1 / the step's completion tokens), so a step's passes
+  add up to its means: ratio_mean and clip_fraction (tokens where the clip binds: A > 0 above
+  `high`, A < 0 below `low`) where old is given, kl (the k3 estimate) where ref is."""
+  m = mask_BxT > 0
+  a = adv_B[:, None]
+  old = jax.lax.stop_gradient(logp_BxT) if old_BxT is None else old_BxT
+  # 0 off the completion: a padding target's log-probs may be far apart, and exp of it inf
+  r = jnp.exp(jnp.where(m, logp_BxT - old, 0.0))
+  loss_BxT = -jnp.minimum(r * a, jnp.clip(r, low, high) * a)
+  metrics = {}
+  if old_BxT is not None:
+    clipped = ((a > 0) & (r > high)) | ((a < 0) & (r < low))
+    metrics["ratio_mean"] = jnp.sum(jnp.where(m, r, 0.0)) * per_token
+    metrics["clip_fraction"] = jnp.sum((clipped & m).astype(jnp.float32)) * per_token
+  if ref_BxT is not None:
+    d = jnp.where(m, ref_BxT - logp_BxT, 0.0)
+    kl_BxT = jnp.exp(d) - d - 1.0
+    loss_BxT = loss_BxT + beta * kl_BxT
+    metrics["kl"] = jnp.sum(jnp.where(m, kl_BxT, 0.0)) * per_token
+  return jnp.sum(w_BxT * loss_BxT), jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
+# ---- the reference weights ------------------------------------------------------------------------
+
+class FrozenWeights:
+  """A read-only copy of every group's fp32 weights in plain host memory (4 B/param), served to
+  the engine's forward as its store serves its own (`Engine.token_logps(batch, store=...)`)."""
+
+  def __init__(self, store):
+    store.sync()
+    self.store = store
+    self.w = [store.read(i)["w"] for i in range(len(store.groups))]  # one group's state at a time
+
+  @property
+  def blocks(self):
+    return self.store.blocks
+
+  def fetch(self, i: int):
+    return jax.device_put(self.w[i], self.store.on_device)  # on every device, like the store's
+
+  def is_resident(self, i: int) -> bool:
+    return False
+
+  def to_host(self, x):
+    return self.store.to_host(x)
+
+
 # ---- the source -----------------------------------------------------------------------------------
 
-class RolloutSource:
-  """Batches of sampled completions: batch(step), position(step), epoch(step), and metrics(step)
-  of the batch it made last (rewards, completion lengths, generation time)."""
+_ARRAYS = ("inputs", "targets", "loss_weights", "token_weights", "advantages", "old_logps",
+           "ref_logps")  # what a checkpoint inside a generation batch holds of it
 
-  def __init__(self, cfg: config_lib.Config, engine, prompts: Prompts, tokenizer, eos: list[int]):
+
+def _encode(a: np.ndarray) -> str:
+  buf = io.BytesIO()
+  np.save(buf, np.ascontiguousarray(a), allow_pickle=False)
+  return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _decode(text: str) -> np.ndarray:
+  return np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)
+
+
+def score(rewards, weights, completions: list[Completion], where: str) -> tuple[np.ndarray,
+                                                                                np.ndarray]:
+  """(each reward of each completion [N, F], their weighted sum [N]); raises ValueError naming
+  the reward that gave a non-finite value (`where`: the step or evaluation)."""
+  scores = np.zeros((len(completions), len(rewards)), np.float64)
+  for i, c in enumerate(completions):
+    for j, (name, fn) in enumerate(rewards):
+      value = fn(c)
+      if not math.isfinite(value):
+        raise ValueError(f"train.grpo.rewards: {name} gave {value} {where}")
+      scores[i, j] = value
+  w = np.asarray(weights or [1.0] * len(rewards), np.float64)
+  return scores, scores @ w
+
+
+class RolloutSource:
+  """Batches of sampled completions: batch(step), position(step), epoch(step), metrics(step) of
+  the step it made last (rewards, completion lengths, the ratio's and KL's are the head's), and
+  resume(position) from a checkpoint's. Steps g * mu ... g * mu + mu - 1 share generation batch g."""
+
+  def __init__(self, cfg: config_lib.Config, engine, prompts: Prompts, tokenizer, eos: list[int],
+               reference: FrozenWeights | None = None):
     self.cfg, self.engine, self.prompts, self.tok, self.eos = cfg, engine, prompts, tokenizer, eos
-    self.s = cfg.train.grpo
-    self.per = cfg.train.batch // self.s.group  # prompts a step
+    self.s, self.reference = cfg.train.grpo, reference
+    self.mu = self.s.steps_per_generation
+    self.per = cfg.train.batch // self.s.group  # prompts a generation batch
     self.rewards = reward_functions(self.s)
+    self._gen: tuple[int, _RolloutBatch, dict] | None = None  # (g, batch, its metrics)
     self._metrics: dict[int, dict] = {}
 
-  def position(self, step: int) -> int:
-    return step * self.per
+  def position(self, step: int) -> dict:
+    """Where the data stream is before step `step`: inside a generation batch, the batch itself."""
+    g = step // self.mu
+    out = {"source": "prompts", "step": step, "generation": g, "epoch": self.epoch(step),
+           "index": g * self.per % len(self.prompts.ids)}
+    if step % self.mu and self._gen is not None and self._gen[0] == g:
+      _, b, metrics = self._gen
+      out["rollouts"] = {"metrics": metrics, **{k: _encode(getattr(b, k)) for k in _ARRAYS
+                                                if getattr(b, k) is not None}}
+    return out
+
+  def resume(self, position) -> None:
+    """Takes back the generation batch a checkpoint's position holds (one saved inside it)."""
+    held = position.get("rollouts") if isinstance(position, dict) else None
+    if held is not None:
+      arrays = {k: _decode(held[k]) if k in held else None for k in _ARRAYS}
+      self._gen = (int(position["generation"]), _RolloutBatch(**arrays), dict(held["metrics"]))
 
   def epoch(self, step: int) -> int:
-    return step * self.per // len(self.prompts.ids)
+    return step // self.mu * self.per // len(self.prompts.ids)
 
-  def _rows(self, step: int) -> list[int]:
+  def _rows(self, g: int) -> list[int]:
     n, out = len(self.prompts.ids), []
-    for k in range(step * self.per, (step + 1) * self.per):
+    for k in range(g * self.per, (g + 1) * self.per):
       order = np.random.default_rng([self.cfg.train.seed, k // n]).permutation(n)
       out.append(int(order[k % n]))
     return out
 
   def batch(self, step: int) -> Batch:
+    g = step // self.mu
+    if self._gen is None or self._gen[0] != g:
+      if step % self.mu:
+        raise ValueError(f"train.grpo.steps_per_generation: step {step + 1} lies inside "
+                         f"generation batch {g}, whose rollouts the checkpoint does not hold "
+                         f"(saved with another steps_per_generation?)")
+      self._gen = (g, *self._generate(g, step))
+    _, b, metrics = self._gen
+    if step % self.mu:  # a reused batch: its sampling and log-probs cost nothing this step
+      metrics = {**metrics, "generation_s": 0.0, "old_logps_s": 0.0, "ref_logps_s": 0.0}
+    self._metrics = {step: metrics}
+    return b
+
+  def _generate(self, g: int, step: int) -> tuple[_RolloutBatch, dict]:
+    """Generation batch g, sampled from the current weights, with its metrics."""
     from mtjax.generate import generate
     cfg, s, G = self.cfg, self.s, self.s.group
-    rows = self._rows(step)
+    rows = self._rows(g)
     self.engine.sync()  # every update of the step before is in the weights sampled from
     params = self.engine.store.to_tree()
     dtype = jnp.bfloat16 if cfg.engine.compute_dtype == "bfloat16" else jnp.float32
     prompts = [self.prompts.ids[r] for r in rows for _ in range(G)]
-    stats: dict = {}
     t0 = time.perf_counter()
     done = generate(cfg.model, params, prompts, max_new_tokens=s.max_new_tokens,
                     temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, eos_ids=self.eos,
-                    seed=int(np.random.default_rng([cfg.train.seed, step, 1]).integers(2**31)),
-                    dtype=dtype, stats=stats)
+                    seed=int(np.random.default_rng([cfg.train.seed, g, 1]).integers(2**31)),
+                    dtype=dtype)
     gen_s = time.perf_counter() - t0
-    scores = np.zeros((len(prompts), len(self.rewards)), np.float64)
-    for i, new in enumerate(done):
-      r = rows[i // G]
-      body = [t for t in new if t not in self.eos]
-      c = Completion(self.prompts.texts[r], self.tok.decode(body), self.prompts.answers[r],
-                     len(new))
-      for j, (_, fn) in enumerate(self.rewards):
-        value = fn(c)
-        if not math.isfinite(value):
-          raise ValueError(f"train.grpo.rewards: {self.rewards[j][0]} gave {value} at step "
-                           f"{step + 1}")
-        scores[i, j] = value
-    weights = np.asarray(s.reward_weights or [1.0] * len(self.rewards), np.float64)
-    total = scores @ weights
+    del params
+    completions = [Completion(self.prompts.texts[rows[i // G]], self.tok.decode(
+        [t for t in new if t not in self.eos]), self.prompts.answers[rows[i // G]], len(new))
+        for i, new in enumerate(done)]
+    scores, total = score(self.rewards, s.reward_weights, completions, f"at step {step + 1}")
     adv = advantages(total.reshape(self.per, G), s.scale_rewards).reshape(-1)
     T = cfg.train.seq
     toks = np.zeros((len(prompts), T + 1), np.int32)
@@ -277,19 +402,27 @@ class RolloutSource:
       row = (p + new)[:T + 1]
       toks[i, :len(row)] = row
       mask[i, len(p) - 1:len(row) - 1] = 1.0  # the targets that are completion tokens
-    w = token_weights(mask, s.loss_agg, s.max_new_tokens)
+    b = _RolloutBatch(toks[:, :-1], toks[:, 1:], loss_weights=mask,
+                      token_weights=token_weights(mask, s.loss_agg, s.max_new_tokens),
+                      advantages=adv)
+    t1 = time.perf_counter()
+    old = self.engine.token_logps(b) if self.mu > 1 else None  # the weights that sampled
+    t2 = time.perf_counter()
+    ref = self.engine.token_logps(b, self.reference) if self.reference is not None else None
+    t3 = time.perf_counter()
+    b = dataclasses.replace(b, old_logps=old, ref_logps=ref)
     lengths = np.array([len(d) for d in done], np.float64)
     grouped = total.reshape(self.per, G)
-    self._metrics = {step: {
+    metrics = {
         "reward_mean": float(total.mean()), "reward_std": float(total.std()),
         **{f"reward_{name.rpartition(':')[2]}": float(scores[:, j].mean())
            for j, (name, _) in enumerate(self.rewards)},
         "completion_tokens_mean": float(lengths.mean()),
         "groups_without_signal": float(np.mean(grouped.std(axis=1) == 0)),
         "generation_s": gen_s,
-        "generated_tokens_per_s": float(lengths.sum() / max(gen_s, 1e-9))}}
-    return _RolloutBatch(toks[:, :-1], toks[:, 1:], loss_weights=mask, token_weights=w,
-                         advantages=adv)
+        "generated_tokens_per_s": float(lengths.sum() / max(gen_s, 1e-9)),
+        "old_logps_s": t2 - t1, "ref_logps_s": t3 - t2}
+    return b, metrics
 
   def metrics(self, step: int) -> dict:
     return self._metrics.get(step, {})
@@ -299,15 +432,66 @@ class RolloutSource:
 class _RolloutBatch(Batch):
   token_weights: np.ndarray | None = None  # [B, T] w_it
   advantages: np.ndarray | None = None  # [B] A_i
+  old_logps: np.ndarray | None = None  # [B, T] log-probs under the weights that sampled (mu > 1)
+  ref_logps: np.ndarray | None = None  # [B, T] log-probs under the initial weights (kl_coef > 0)
+
+
+class HeldOutRewards:
+  """The rewards of one greedy completion (temperature 0) of each held-out prompt (the first
+  train.eval_batches x train.batch of train.grpo.eval_path), sampled train.batch at a time."""
+
+  def __init__(self, cfg: config_lib.Config, prompts: Prompts, tokenizer, eos: list[int]):
+    self.cfg, self.tok, self.eos = cfg, tokenizer, eos
+    n = min(len(prompts.ids), cfg.train.eval_batches * cfg.train.batch)
+    self.prompts = Prompts(prompts.texts[:n], prompts.answers[:n], prompts.ids[:n])
+    self.rewards = reward_functions(cfg.train.grpo)
+
+  def evaluate(self, engine) -> dict[str, float]:
+    from mtjax.generate import generate
+    cfg, s, p = self.cfg, self.cfg.train.grpo, self.prompts
+    engine.sync()
+    params = engine.store.to_tree()
+    dtype = jnp.bfloat16 if cfg.engine.compute_dtype == "bfloat16" else jnp.float32
+    done = []
+    for first in range(0, len(p.ids), cfg.train.batch):
+      done += generate(cfg.model, params, p.ids[first:first + cfg.train.batch],
+                       max_new_tokens=s.max_new_tokens, temperature=0.0, eos_ids=self.eos,
+                       dtype=dtype)
+    completions = [Completion(p.texts[i], self.tok.decode([t for t in new if t not in self.eos]),
+                              p.answers[i], len(new)) for i, new in enumerate(done)]
+    scores, total = score(self.rewards, s.reward_weights, completions, "on a held-out prompt")
+    return {"held_out_reward_mean": float(total.mean()),
+            **{f"held_out_reward_{name.rpartition(':')[2]}": float(scores[:, j].mean())
+               for j, (name, _) in enumerate(self.rewards)},
+            "held_out_completion_tokens_mean": float(np.mean([len(d) for d in done]))}
 
 
 # ---- the objective --------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Checked:
+  tokenizer: object
+  eos: list[int]
+  prompts: Prompts
+  held_out: Prompts | None
+
 
 @objectives.register
 class GroupRelative(objectives.Objective):
   """GRPO with verifiable rewards (see the module docstring)."""
   name = "grpo"
-  reads_initial_weights = False
+
+  def __init__(self, settings: config_lib.GRPOConfig):
+    self.settings = settings
+    self.reuse, self.beta = settings.steps_per_generation > 1, settings.kl_coef
+    # the KL's reference log-probs need the initial weights, copied before a checkpoint's replace
+    # them; a ratio other than 1 or a KL needs the head's log-probs before its backward
+    self.reads_initial_weights = self.beta > 0
+    self.head_forwards = int(self.reuse or self.beta > 0)
+
+  @classmethod
+  def of(cls, train):
+    return cls(train.grpo)
 
   def check(self, cfg):
     s, t = cfg.train.grpo, cfg.train
@@ -317,9 +501,10 @@ class GroupRelative(objectives.Objective):
     if cfg.data.path is None:
       raise config_lib.ConfigError("data.path: grpo needs a file of prompts (JSONL, JSON or "
                                    "Parquet rows with a prompt field)")
-    if t.eval_every:
-      raise config_lib.ConfigError("train.eval_every: grpo has no held-out evaluation; set 0 "
-                                   "(the rewards are logged every step)")
+    if t.eval_every and s.eval_path is None:
+      raise config_lib.ConfigError(f"train.eval_every: {t.eval_every} needs held-out data: set "
+                                   f"train.grpo.eval_path to a file of held-out prompts, or "
+                                   f"train.eval_every=0")
     from mtjax.generate import refuse_uncached
     try:
       refuse_uncached(cfg.model)
@@ -335,37 +520,82 @@ class GroupRelative(objectives.Objective):
   def batch_weight(self, batch):
     return float(batch.inputs.shape[0])
 
+  def host_bytes(self, params):
+    return 4 * params if self.beta > 0 else 0  # the reference copy (FrozenWeights)
+
   def head_step(self, fns):
-    def step(w_head, w_table, x_BxTxD, targets_BxT, coef_BxT):
-      """The surrogate's gradient is the cross-entropy backward weighted coef = w * A; its value
-      at ratio 1 is -sum(coef)."""
-      _, dx, gh, gt = fns.head_step(w_head, w_table, x_BxTxD, targets_BxT, coef_BxT)
-      loss = -jnp.sum(coef_BxT)
-      return loss, dx, gh, gt, {}
+    s = self.settings
+    low, high = 1.0 - s.clip_eps, 1.0 + (s.clip_eps if s.clip_eps_high is None
+                                         else s.clip_eps_high)
+    if not self.head_forwards:
+      def step(w_head, w_table, x_BxTxD, targets_BxT, coef_BxT):
+        """At ratio 1 the surrogate's gradient is the cross-entropy backward weighted coef = w A;
+        its value is -sum(coef)."""
+        _, dx, gh, gt = fns.head_step(w_head, w_table, x_BxTxD, targets_BxT, coef_BxT)
+        return -jnp.sum(coef_BxT), dx, gh, gt, {}
+      return step
+
+    def step(w_head, w_table, x_BxTxD, targets_BxT, w_BxT, mask_BxT, adv_B, *rest):
+      """A forward gives each token's log-prob, the loss its gradient c with respect to them; the
+      cross-entropy backward weighted -c is then the loss's gradient (as a log-prob is minus its
+      cross-entropy)."""
+      *logps, per_token = rest
+      old = logps.pop(0) if self.reuse else None
+      ref = logps.pop(0) if self.beta > 0 else None
+      logp = fns.head_token_logps(w_head, w_table, x_BxTxD, targets_BxT)
+      (loss, metrics), c = jax.value_and_grad(clipped_surrogate, has_aux=True)(
+          logp, old, ref, w_BxT, mask_BxT, adv_B, per_token, low, high, self.beta)
+      _, dx, gh, gt = fns.head_step(w_head, w_table, x_BxTxD, targets_BxT, -c)
+      return loss, dx, gh, gt, metrics
     return step
 
   def head_inputs(self, batch):
+    B, T = batch.inputs.shape
     w, adv = getattr(batch, "token_weights", None), getattr(batch, "advantages", None)
-    B = batch.inputs.shape[0]
-    if w is None or adv is None or np.shape(adv) != (B,) or np.shape(w) != batch.inputs.shape:
+    if w is None or adv is None or np.shape(adv) != (B,) or np.shape(w) != (B, T):
       raise ValueError("a grpo batch carries token_weights [B, T] and advantages [B] "
                        "(mtjax.grpo.RolloutSource)")
-    if not (np.all(np.isfinite(w)) and np.all(np.isfinite(adv))):
-      raise ValueError("a grpo batch's token weights and advantages must be finite")
-    return (batch.targets, (np.asarray(w) * np.asarray(adv)[:, None]).astype(np.float32)), ()
+    needs = ([("old_logps", "steps_per_generation > 1")] if self.reuse else []) + (
+        [("ref_logps", "kl_coef > 0")] if self.beta > 0 else [])
+    logps = []
+    for name, why in needs:
+      a = getattr(batch, name, None)
+      if a is None or np.shape(a) != (B, T):
+        raise ValueError(f"batch.{name}: train.grpo.{why} needs each target's log-prob [B, T] "
+                         f"(mtjax.grpo.RolloutSource)")
+      logps.append(np.asarray(a, np.float32))
+    if not all(np.all(np.isfinite(a)) for a in (w, adv, *logps)):
+      raise ValueError("a grpo batch's token weights, advantages and log-probs must be finite")
+    w, adv = np.asarray(w, np.float32), np.asarray(adv, np.float32)
+    if not self.head_forwards:
+      return (batch.targets, w * adv[:, None]), ()
+    mask = objectives.response_mask(batch)
+    per_token = np.float32(1.0 / max(float(mask.sum(dtype=np.float64)), 1.0))
+    return (batch.targets, w, mask, adv, *logps), (per_token,)
 
   def data(self, cfg):
     tok, template, eos = tokenizer_and_template(cfg)
     prompts = load_prompts(cfg, tok, template)
-    if "exact_answer" in cfg.train.grpo.rewards and any(a is None for a in prompts.answers):
-      first = prompts.answers.index(None) + 1
-      raise ValueError(f"data.path: row {first} has no answer, which the exact_answer reward "
-                       f"needs")
-    return tok, eos, prompts
+    held = None
+    if cfg.train.eval_every:  # checked now, not at the first evaluation
+      held = load_prompts(cfg, tok, template, "train.grpo.eval_path")
+    if "exact_answer" in cfg.train.grpo.rewards:
+      for key, p in (("data.path", prompts), ("train.grpo.eval_path", held)):
+        if p is not None and None in p.answers:
+          raise ValueError(f"{key}: row {p.answers.index(None) + 1} has no answer, which the "
+                           f"exact_answer reward needs")
+    return _Checked(tok, eos, prompts, held)
 
   def sources(self, cfg, engine, checked):
-    tok, eos, prompts = checked
-    src = RolloutSource(cfg, engine, prompts, tok, eos)
-    line = (f"grpo: {len(prompts.ids)} prompts, {src.per} a step x {cfg.train.grpo.group} "
-            f"completions; rewards {', '.join(cfg.train.grpo.rewards)}")
-    return src, None, line
+    s = cfg.train.grpo
+    reference = FrozenWeights(engine.store) if self.beta > 0 else None  # the initial weights
+    src = RolloutSource(cfg, engine, checked.prompts, checked.tokenizer, checked.eos, reference)
+    held = (None if checked.held_out is None else
+            HeldOutRewards(cfg, checked.held_out, checked.tokenizer, checked.eos))
+    line = (f"grpo: {len(checked.prompts.ids)} prompts, {src.per} a generation batch x {s.group} "
+            f"completions, {s.steps_per_generation} step(s) each; rewards "
+            f"{', '.join(s.rewards)}" + (f"; KL to the initial weights (copied: "
+                                         f"{4 * engine.store.n_params / 2**30:.2f} GiB)"
+                                         if reference else "")
+            + (f"; {len(held.prompts.ids)} held-out prompts" if held else ""))
+    return src, held, line

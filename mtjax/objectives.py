@@ -68,6 +68,11 @@ class Objective:
     """Whether the batches carry document ids (a mask the attention keeps to)."""
     return data.source == "prepared"
 
+  def host_bytes(self, params: int) -> int:
+    """Host memory it holds beside the training state for a model of `params` parameters (the
+    planner counts it)."""
+    return 0
+
   def batch_weight(self, batch) -> float:
     """A batch's weight among held-out batches (its loss is a mean over what this counts)."""
     raise NotImplementedError
@@ -86,8 +91,10 @@ class Objective:
 
   def sources(self, cfg: config_lib.Config, engine, checked) -> tuple:
     """(training source, held-out evaluation or None, a line to log or None) once the store holds
-    the initial weights. A source has batch(step), position(step) and epoch(step); an evaluation
-    has evaluate(engine) -> {metric: value} (held_out_loss first)."""
+    the initial weights. A source has batch(step), position(step) (JSON, kept in a checkpoint) and
+    epoch(step), and may have metrics(step) (merged into the step's record) and resume(position)
+    (given the restored checkpoint's); an evaluation has evaluate(engine) -> {metric: value}, the
+    one the run's summary follows first (held_out_loss, or grpo's held_out_reward_mean)."""
     raise NotImplementedError
 
 

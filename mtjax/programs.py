@@ -33,6 +33,7 @@ class LayerFns:
   block_bwd: dict  # kind -> (w, x_BxTxD, ctx, dy_BxTxD, daux) -> (dx_BxTxD, g_w, |g_w|^2)
   head_step: callable  # (w_head, w_table | None, x_BxTxD, targets_BxT, weights_BxT) -> (loss, dx, g_head, g_table)
   head_logps: callable  # (w_head, w_table | None, x_BxTxD, targets_BxT, mask_BxT) -> each row's sum of masked log-probs
+  head_token_logps: callable  # (w_head, w_table | None, x_BxTxD, targets_BxT) -> each target's log-prob [B, T]
 
 
 def _micro(x, n, strided=True):
@@ -62,9 +63,9 @@ def layer_fns(spec: models.ModelSpec, compute_dtype, micro_batch: int | None, lo
   embed_fwd, embed_bwd = embedding_fns(spec, compute_dtype)
   blocks = {kind: block_fns(spec, kind, compute_dtype, micro_batch, devices, attention, seq_tile,
                             strided, moe_impl) for kind in spec.kinds}
-  head_step, head_logps = head_fns(spec, compute_dtype, loss_chunk, strided)
+  head_step, head_logps, head_token_logps = head_fns(spec, compute_dtype, loss_chunk, strided)
   return LayerFns(embed_fwd, embed_bwd, {k: f for k, (f, _) in blocks.items()},
-                  {k: b for k, (_, b) in blocks.items()}, head_step, head_logps)
+                  {k: b for k, (_, b) in blocks.items()}, head_step, head_logps, head_token_logps)
 
 
 def embedding_fns(spec: models.ModelSpec, cd):
@@ -132,8 +133,8 @@ def block_fns(spec: models.ModelSpec, kind: str, cd, micro_batch: int | None, de
 
 
 def head_fns(spec: models.ModelSpec, cd, loss_chunk: int, strided: bool):
-  """(head_step, head_logps) of the LM head over chunks of about `loss_chunk` tokens, so full
-  logits never exist (signatures: LayerFns)."""
+  """(head_step, head_logps, head_token_logps) of the LM head over chunks of about `loss_chunk`
+  tokens, so full logits never exist (signatures: LayerFns)."""
   cfg, lay = spec.cfg, spec.layouts["head"]
   head = spec.head()
 
@@ -153,14 +154,17 @@ def head_fns(spec: models.ModelSpec, cd, loss_chunk: int, strided: bool):
     logits_CxV = head.apply({"params": lay.unflatten(wh.astype(cd))}, x_CxD, table)
     return token_nll(logits_CxV, t_C)
 
-  def head_logps(w_head, w_table, x_BxTxD, targets_BxT, mask_BxT):
-    """Each row's sum of log-probs of its targets where mask_BxT is 1 (a forward, chunked)."""
+  def head_token_logps(w_head, w_table, x_BxTxD, targets_BxT):
+    """Each target's log-prob (a forward, chunked)."""
     B, T, D = x_BxTxD.shape
     _, chunked = chunking(x_BxTxD)
     nll = jax.lax.map(lambda xs: chunk_nll(w_head, w_table, *xs),
                       (chunked(x_BxTxD.reshape(B * T, D)), chunked(targets_BxT.reshape(B * T))))
-    nll_BxT = _unmicro(nll, strided)[:B * T].reshape(B, T)
-    return -jnp.sum(nll_BxT * mask_BxT, axis=1)
+    return -_unmicro(nll, strided)[:B * T].reshape(B, T)
+
+  def head_logps(w_head, w_table, x_BxTxD, targets_BxT, mask_BxT):
+    """Each row's sum of log-probs of its targets where mask_BxT is 1 (a forward, chunked)."""
+    return jnp.sum(head_token_logps(w_head, w_table, x_BxTxD, targets_BxT) * mask_BxT, axis=1)
 
   def head_step(w_head, w_table, x_BxTxD, targets_BxT, weights_BxT):
     """Weighted loss sum and gradients, one chunk of about `loss_chunk` tokens at a time."""
@@ -187,7 +191,7 @@ def head_fns(spec: models.ModelSpec, cd, loss_chunk: int, strided: bool):
     dx = _unmicro(dx, strided)[:N].reshape(B, T, D)
     return jnp.sum(losses), dx, gh, gt
 
-  return head_step, head_logps
+  return head_step, head_logps, head_token_logps
 
 
 def attention_impl(choice: str, device: jax.Device, compute_dtype: str, cfg: ModelConfig,
@@ -261,6 +265,7 @@ class Programs:
   block_bwd_keep: dict  # kind -> the same, nothing donated (clip_mode=recompute's norm-only pass)
   head_step: Callable  # the weighted token loss's (the memory probe's head)
   head_logps: Callable
+  head_token_logps: Callable
   heads: dict = dataclasses.field(default_factory=dict)  # objective name -> its head step
 
   def head(self, objective) -> Callable:
@@ -287,7 +292,7 @@ def build(spec: models.ModelSpec, settings: Settings) -> Programs:
       {k: jit(f) for k, f in fns.block_fwd.items()},
       {k: jit(f, donate_argnums=(3,)) for k, f in fns.block_bwd.items()},
       {k: jit(f) for k, f in fns.block_bwd.items()},
-      jit(fns.head_step), jit(fns.head_logps))
+      jit(fns.head_step), jit(fns.head_logps), jit(fns.head_token_logps))
 
 
 def shaped_calls(programs: Programs, rows: int, seq: int, device: jax.Device,

@@ -3,8 +3,10 @@
 Writes loss.png (loss and held-out loss against step and tokens), lr.png, throughput.png,
 step_time.png (the split of each step as stacked bars), memory.png (host RSS and device peak over
 time) and, when RUN_DIR/timeline.json exists, timeline.png (per-layer transfers and compute of one
-step), and for DPO rewards.png (chosen, rejected rewards and their margin) and
-reward_accuracy.png. A plot whose fields were never logged is left out. The throughput and
+step), for DPO rewards.png (chosen, rejected rewards and their margin) and
+reward_accuracy.png, and for GRPO grpo_rewards.png (reward mean and std, the held-out greedy
+reward), grpo_kl.png, grpo_clip.png (share of completion tokens the ratio's clip binds) and
+completion_tokens.png. A plot whose fields were never logged is left out. The throughput and
 step-time plots leave out the first step, which compiles, and say so in their titles. Needs
 matplotlib.
 """
@@ -245,6 +247,18 @@ def render(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]
     written.append(_plot_pair(plt, records, [("reward_accuracy", "chosen above rejected")],
                               "share of pairs", "DPO reward accuracy",
                               out / "reward_accuracy.png", tokens))
+  if _has(records, "reward_mean"):  # a reinforcement objective (train.objective: grpo)
+    written.append(_plot_pair(plt, records, [("reward_mean", "mean"), ("reward_std", "std"),
+                                             ("held_out_reward_mean", "held-out mean (greedy)")],
+                              "reward", "GRPO rewards", out / "grpo_rewards.png", tokens))
+  for field, label, title, name in (
+      ("kl", "KL to the initial weights (k3, per token)", "GRPO KL", "grpo_kl.png"),
+      ("clip_fraction", "share of completion tokens clipped", "GRPO clip fraction",
+       "grpo_clip.png"),
+      ("completion_tokens_mean", "tokens per completion", "Completion length",
+       "completion_tokens.png")):
+    if _has(records, field):
+      written.append(_plot_pair(plt, records, [(field, label)], label, title, out / name, tokens))
   if _has(records, "tokens_per_s"):
     written.append(_plot_throughput(plt, records, out / "throughput.png"))
   if _has(records, "step_s") or any(_has(records, f) for f, _ in SPLIT):

@@ -344,13 +344,15 @@ def start(cfg: config_lib.Config, inputs: Inputs) -> Started:
     source, held_out, line = objective.sources(cfg, engine, inputs.data)
   resumed = None
   if tc.checkpoint_dir and tc.resume:
-    resumed, _, skipped = checkpoint.restore_latest(store, tc.checkpoint_dir)
+    resumed, extra, skipped = checkpoint.restore_latest(store, tc.checkpoint_dir)
     for line_ in skipped:
       log.warning("checkpoint: %s", line_)
   if resumed is None and cfg.model.from_hf and not loaded:
     hf.load_into(store, cfg.model.from_hf)
   if not objective.reads_initial_weights:
     source, held_out, line = objective.sources(cfg, engine, inputs.data)
+  if resumed is not None and hasattr(source, "resume"):  # what the source saved (grpo's rollouts)
+    source.resume(extra.get("data_position"))
   if line:
     log.info("%s", line)
   return Started(store, engine, source, held_out, resumed, init_s)
@@ -361,7 +363,7 @@ class Trained:
   """What the step loop did."""
   losses: list = dataclasses.field(default_factory=list)
   times: list = dataclasses.field(default_factory=list)
-  evals: list = dataclasses.field(default_factory=list)  # (step, held-out loss)
+  evals: list = dataclasses.field(default_factory=list)  # (step, the evaluation's first metric)
   skipped: list = dataclasses.field(default_factory=list)  # steps whose update was skipped
   stop: int | None = None  # the signal that stopped the run
   saved: Path | None = None  # the newest checkpoint this run wrote
@@ -386,7 +388,7 @@ def loop(cfg: config_lib.Config, run: Started, metrics: runlog.RunLog, progress:
 
   def evaluate(step):
     values = run.held_out.evaluate(engine)
-    out.evals.append((step, values["held_out_loss"]))
+    out.evals.append((step, next(iter(values.values()))))  # held_out_loss, or its like
     progress.note(f"step {step}: " + ", ".join(f"{k.replace('_', ' ')} {v:.4f}"
                                                for k, v in values.items()))
     return values
@@ -546,7 +548,7 @@ def summarize(cfg: config_lib.Config, plan, run_: Started, done: Trained, folder
       "first_loss": done.losses[0],
       "final_loss": done.losses[-1],
       "skipped_steps": done.skipped,
-      "held_out": done.evals,  # (step, loss) of each evaluation
+      "held_out": done.evals,  # (step, loss) of each evaluation (grpo: held-out reward)
       "step_s_median": step_s,
       "tokens_per_s": tokens / step_s,
       "model_tflops": work["model"] / step_s / 1e12,

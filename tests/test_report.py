@@ -105,3 +105,18 @@ def test_help_shows_the_defaults(capsys):
   with pytest.raises(SystemExit) as e:
     report.main(["--help"])
   assert e.value.code == exits.OK and "(default: RUN_DIR/report)" in capsys.readouterr().out
+
+
+def test_a_grpo_run_gets_its_reward_kl_clip_and_length_plots(tmp_path):
+  run_dir = tmp_path / "run"
+  run_dir.mkdir()
+  records = [{"step": i, "loss": -0.01 * i, "reward_mean": 0.1 * i, "reward_std": 0.3,
+              "kl": 0.001 * i, "clip_fraction": 0.05 * (i % 2), "completion_tokens_mean": 3.0 + i,
+              **({"held_out_reward_mean": 0.2} if i % 2 else {})} for i in range(1, 7)]
+  (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+  names = {p.name for p in report.render(run_dir, tmp_path / "plots")}
+  assert names == {"loss.png", "grpo_rewards.png", "grpo_kl.png", "grpo_clip.png",
+                   "completion_tokens.png"}
+  for name in names:
+    data = (tmp_path / "plots" / name).read_bytes()
+    assert data[:8] == PNG and len(data) > 1000, name

@@ -440,6 +440,8 @@ def _host_bytes(cfg: config_lib.Config, g: _Groups, shape: _PassShape, rates: Ra
       "device-tier staging (sync, checkpoints)": 4 * largest_dev if g.device else 0,
       "activations on host": shape.spilled * shape.saved_input,
       "import / export staging (start / end)": hf_staging_bytes(cfg),
+      "reference weights (train.grpo.kl_coef)": objectives.get(cfg.train).host_bytes(
+          sum(g.sizes)),
       "runtime": RUNTIME_HOST_BYTES if rates.accelerator else RUNTIME_HOST_BYTES_CPU,
       "device-tier host allowance (measured)": int(DEVICE_TIER_HOST_SHARE * sum(
           g.state(g.device))) if rates.accelerator else 0,
