@@ -152,7 +152,11 @@ def cached_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, q_pos_BxT, k_pos_BxS, k_va
 
 def refuse_uncached(cfg: ModelConfig) -> None:
   """ValueError (one line) for a model whose layers have no cache here: linear attention's
-  recurrent state (Qwen3-Next's gated DeltaNet) is not kept between decoded tokens."""
+  recurrent state (Qwen3-Next's gated DeltaNet) is not kept between decoded tokens; a
+  vision-language model's image tower and projector are not in the decoding path."""
+  if cfg.vision is not None:
+    raise ValueError(f"generate: {cfg.family}'s image tower and projector are not in the decoding "
+                     f"path yet (vision-language models train; generation is text-model only)")
   if cfg.layer_types is not None and "linear" in cfg.layer_types:
     raise ValueError(f"generate: {cfg.family}'s linear-attention (gated DeltaNet) layers have no "
                      f"decoding cache yet")
