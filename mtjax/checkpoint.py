@@ -246,6 +246,13 @@ def restore(store: LayerStore, path: str | Path) -> dict:
     if h != w:
       raise CheckpointMismatch(f"checkpoint {path}: group {h[0]} holds {h[1]} parameters in "
                                f"another layout than the model's {w[0]} ({w[1]} parameters)")
+  saved_freeze = meta.get("extra", {}).get("config", {}).get("train", {}).get("freeze", [])
+  mine_freeze = list(store.cfg.train.freeze)
+  if sorted(saved_freeze) != sorted(mine_freeze):
+    raise CheckpointMismatch(f"checkpoint {path} was trained with train.freeze={saved_freeze} and "
+                             f"this run has {mine_freeze}: resume with train.freeze="
+                             f"{saved_freeze}, or start the next stage from its export "
+                             f"(model.from_hf)")
   saved = meta.get("extra", {}).get("config", {}).get("optim", {}).get("state_dtype")
   mine = store.rule.cfg.state_dtype
   if saved is not None and saved != mine and "int8" in (saved, mine):

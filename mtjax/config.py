@@ -593,6 +593,7 @@ class TrainConfig:
   profile_step: int = 0  # record a JAX profiler trace of this step into run_dir/profile; 0: none
   export_dir: str | None = None  # at the end, write the weights as a Hugging Face directory here
   export_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # tensor dtype of that export
+  freeze: tuple[Literal["vision", "projector", "language"], ...] = ()  # parts whose weights stay as loaded: vision (the image tower), projector, language (embedding, text blocks, head); frozen groups hold no optimizer state and send no gradient, and the backward stops where nothing below trains
 
   def __post_init__(self):
     _positive(self, "steps", "batch", "seq", "log_every", "grad_accum")
@@ -634,13 +635,20 @@ class Config:
       raise ConfigError(f"engine.micro_batch: {mb} does not divide the {per_pass} sequences of a "
                         f"pass (train.batch {self.train.batch} / train.grad_accum "
                         f"{self.train.grad_accum})")
-    groups = self.model.layers + 2
+    groups = self.model.block_groups + 2
     fixed = [(k, getattr(self.engine, k)) for k in ("device_state_layers", "device_update_layers")
              if getattr(self.engine, k) != "auto"]
     if sum(n for _, n in fixed) > groups:
       raise ConfigError(f"engine.{fixed[-1][0]}: {' + '.join(str(n) for _, n in fixed)} device "
-                        f"groups exceed the {groups} layer groups (embedding, {self.model.layers} "
-                        f"blocks, head)")
+                        f"groups exceed the {groups} layer groups (embedding, "
+                        f"{self.model.block_groups} blocks, head)")
+    freeze = set(self.train.freeze)
+    if freeze - {"language"} and self.model.vision is None:
+      raise ConfigError(f"train.freeze: {sorted(freeze - {'language'})} names parts of an image "
+                        f"tower; this model has none (model.vision is null)")
+    if freeze >= ({"language"} if self.model.vision is None else {"vision", "projector",
+                                                                    "language"}):
+      raise ConfigError(f"train.freeze: {list(self.train.freeze)} leaves nothing to train")
 
   @property
   def decay_steps(self) -> int:

@@ -262,7 +262,13 @@ class Engine:
     self._embed_fwd, self._embed_bwd = progs.embed_fwd, progs.embed_bwd
     self._block_fwd, self._block_bwd = progs.block_fwd, progs.block_bwd
     self._block_bwd_keep = progs.block_bwd_keep
+    self._block_dx = progs.block_dx
     self._kinds = [g.kind for g in store.groups]  # each group's layer kind
+    # What the backward does at each group (train.freeze): full, dx, pass or skip
+    self._modes = self.spec.backward_modes(tc.freeze)
+    # a frozen projector passed: the text stream's cotangent, nothing at the image tokens
+    self._pass_projector = jax.jit(
+        lambda dy, slots: jnp.where((slots >= 0)[..., None], jnp.zeros_like(dy), dy))
     # The model's auxiliary loss (a mixture's load balance) from the blocks' sums, its gradient
     # with respect to them (each block's backward takes its share) and its metrics.
     self._aux = jax.jit(lambda sums: jax.value_and_grad(self.spec.aux_loss, has_aux=True)(sums))
@@ -422,11 +428,12 @@ class Engine:
     bwd = self._block_bwd if last_pass else self._block_bwd_keep
     self._inflight.clear()
     self._phase = "bwd"
-    saved, dx, keep, kinds = fwd.saved, fwd.dx, fwd.keep, self._kinds
+    saved, dx, keep, kinds, modes = fwd.saved, fwd.dx, fwd.keep, self._kinds, self._modes
     g_head, g_table = fwd.head_grads
-    if update:
-      store.prefetch(L + 1)
-    emit(L + 1, g_head, self._sumsq(g_head), keep[L + 1])
+    if modes[L + 1] == "full":
+      if update:
+        store.prefetch(L + 1)
+      emit(L + 1, g_head, self._sumsq(g_head), keep[L + 1])
 
     every = self.cfg.engine.activations_every
     inputs = {}  # block inputs re-computed from a kept one (engine.activations_every > 1)
@@ -445,22 +452,44 @@ class Engine:
         x, _ = self._block_fwd[kinds[t + 1]](self._fetch(t + 1), x, inp.ctx)
       return x
 
-    if L:
-      w_next, x_next = self._fetch(L), take(L - 1)
-      if update:
-        store.prefetch(L)
+    def load(i):
+      """Block i's weights and input, and (updating) a stream group's optimizer state."""
+      w, x = self._fetch(i + 1), take(i)
+      if update and modes[i + 1] == "full":
+        store.prefetch(i + 1)
+      return w, x
+
+    # the blocks whose backward runs a program, in backward order; the next one's weights and
+    # input are asked for before the current one's kernel is queued
+    run = [i for i in reversed(range(L)) if modes[i + 1] in ("full", "dx")]
+    after = dict(zip(run, run[1:]))
+    if run:
+      w_next, x_next = load(run[0])
     for i in reversed(range(L)):
+      mode = modes[i + 1]
+      if mode == "skip":  # frozen, and nothing below trains
+        break
+      if mode == "pass":  # a frozen tower group below which nothing of the tower trains
+        dx = (self._pass_projector(dx, inp.ctx.image_slots) if kinds[i + 1] == "projector"
+              else dx[0] if isinstance(dx, tuple) else dx)
+        continue
       w_cur, x_cur = w_next, x_next
-      if i > 0:  # prefetch block i-1 before queuing block i's kernel
-        w_next, x_next = self._fetch(i), take(i - 1)
-      if update:
-        store.prefetch(i)
+      if i in after:
+        w_next, x_next = load(after[i])
+      if mode == "dx":
+        dx, probe = self._block_dx[kinds[i + 1]](w_cur, x_cur, inp.ctx, dx, fwd.daux[i])
+        del x_cur, w_cur
+        self._observe("compute", i + 1, probe)
+        self._ready(probe)
+        continue
       dx, g, sq = bwd[kinds[i + 1]](w_cur, x_cur, inp.ctx, dx, fwd.daux[i])
       del x_cur
       self._observe("compute", i + 1, sq)
       emit(i + 1, g, sq, w_cur)
       del w_cur
       self._ready(sq)  # never a donated buffer
+    if modes[0] != "full":
+      return
     g_embed = self._embed_bwd(inp.tokens, dx)
     if g_table is not None:
       g_embed = self._add(g_embed, g_table)
@@ -587,12 +616,14 @@ class Engine:
       raise ValueError("held-out data: no batch has a target the loss counts")
     return {f"held_out_{k}": v / weight for k, v in sums.items()}
 
-  def grads(self, batch: Batch) -> tuple[float, list[np.ndarray]]:
-    """Loss and every group's fp32 gradient (host copies), streamed like a step; no update."""
+  def grads(self, batch: Batch) -> tuple[float, list[np.ndarray | None]]:
+    """Loss and every group's fp32 gradient (host copies), streamed like a step; no update. A
+    frozen group's (train.freeze) is None."""
     out = {}
     loss = self.forward_backward(batch,
                                  lambda idx, g, s: out.__setitem__(idx, self.store.grad_to_host(g)))
-    return float(loss), [np.array(out[i]) for i in range(len(self.store.groups))]
+    return float(loss), [np.array(out[i]) if i in out else None
+                         for i in range(len(self.store.groups))]
 
   def sync(self):
     """Waits for every queued update and copy: afterwards the store's host copies are current."""

@@ -31,6 +31,7 @@ class LayerFns:
   embed_bwd: callable  # (tokens_BxT, dx_BxTxD) -> g_w
   block_fwd: dict  # kind -> (w, x_BxTxD, ctx) -> (y_BxTxD, aux)
   block_bwd: dict  # kind -> (w, x_BxTxD, ctx, dy_BxTxD, daux) -> (dx_BxTxD, g_w, |g_w|^2)
+  block_dx: dict  # kind -> (w, x_BxTxD, ctx, dy_BxTxD, daux) -> (dx_BxTxD, a scalar of it): a frozen block's backward, no weight gradient computed
   head_step: callable  # (w_head, w_table | None, x_BxTxD, targets_BxT, weights_BxT) -> (loss, dx, g_head, g_table)
   head_logps: callable  # (w_head, w_table | None, x_BxTxD, targets_BxT, mask_BxT) -> each row's sum of masked log-probs
   head_token_logps: callable  # (w_head, w_table | None, x_BxTxD, targets_BxT) -> each target's log-prob [B, T]
@@ -64,8 +65,9 @@ def layer_fns(spec: models.ModelSpec, compute_dtype, micro_batch: int | None, lo
   blocks = {kind: block_fns(spec, kind, compute_dtype, micro_batch, devices, attention, seq_tile,
                             strided, moe_impl) for kind in spec.kinds}
   head_step, head_logps, head_token_logps = head_fns(spec, compute_dtype, loss_chunk, strided)
-  return LayerFns(embed_fwd, embed_bwd, {k: f for k, (f, _) in blocks.items()},
-                  {k: b for k, (_, b) in blocks.items()}, head_step, head_logps, head_token_logps)
+  return LayerFns(embed_fwd, embed_bwd, {k: f for k, (f, _, _) in blocks.items()},
+                  {k: b for k, (_, b, _) in blocks.items()}, {k: d for k, (_, _, d) in blocks.items()},
+                  head_step, head_logps, head_token_logps)
 
 
 def embedding_fns(spec: models.ModelSpec, cd):
@@ -92,8 +94,8 @@ def embedding_fns(spec: models.ModelSpec, cd):
 
 def block_fns(spec: models.ModelSpec, kind: str, cd, micro_batch: int | None, devices: int,
               attention: str | None, seq_tile: int | None, strided: bool, moe_impl: str):
-  """(block_fwd, block_bwd) of one block kind, micro-batched (signatures: LayerFns); the backward
-  re-runs the forward under jax.vjp, one micro-batch at a time."""
+  """(block_fwd, block_bwd, block_dx) of one block kind, micro-batched (signatures: LayerFns);
+  the backward re-runs the forward under jax.vjp, one micro-batch at a time."""
   block = spec.block(kind, attention, seq_tile, moe_impl, dtype=cd)
   lay = spec.layouts[kind]
 
@@ -129,7 +131,23 @@ def block_fns(spec: models.ModelSpec, kind: str, cd, micro_batch: int | None, de
                          (split(x_BxTxD), split(ctx), split(dy_BxTxD)))
     return jax.tree.map(lambda a: _unmicro(a, strided), dx), g, jnp.sum(g * g)
 
-  return block_fwd, block_bwd
+  def block_dx(w, x_BxTxD, ctx, dy_BxTxD, daux):
+    wc = w.astype(cd)
+    n = n_micro(x_BxTxD)
+
+    def one(xs):
+      xm, cm, dym = xs
+      # the weights are constants of the pullback: XLA computes no weight gradient
+      _, pullback = jax.vjp(lambda xm: apply_block(wc, xm, cm), xm)
+      return pullback((dym, daux))[0]
+
+    split = lambda a: jax.tree.map(lambda b: _micro(b, n, strided), a)
+    dx = jax.tree.map(lambda a: _unmicro(a, strided),
+                      jax.lax.map(one, (split(x_BxTxD), split(ctx), split(dy_BxTxD))))
+    # a scalar that exists once dx does: the engine bounds its run-ahead on it (dx is donated on)
+    return dx, jnp.sum(jax.tree.leaves(dx)[0][:1, :1].astype(jnp.float32))
+
+  return block_fwd, block_bwd, block_dx
 
 
 def head_fns(spec: models.ModelSpec, cd, loss_chunk: int, strided: bool):
@@ -263,6 +281,7 @@ class Programs:
   block_fwd: dict  # kind -> program
   block_bwd: dict  # kind -> program; the incoming cotangent's buffer becomes the outgoing one
   block_bwd_keep: dict  # kind -> the same, nothing donated (clip_mode=recompute's norm-only pass)
+  block_dx: dict  # kind -> a frozen block's backward: the input's cotangent alone (train.freeze)
   head_step: Callable  # the weighted token loss's (the memory probe's head)
   head_logps: Callable
   head_token_logps: Callable
@@ -292,6 +311,7 @@ def build(spec: models.ModelSpec, settings: Settings) -> Programs:
       {k: jit(f) for k, f in fns.block_fwd.items()},
       {k: jit(f, donate_argnums=(3,)) for k, f in fns.block_bwd.items()},
       {k: jit(f) for k, f in fns.block_bwd.items()},
+      {k: jit(f) for k, f in fns.block_dx.items()},
       jit(fns.head_step), jit(fns.head_logps), jit(fns.head_token_logps))
 
 

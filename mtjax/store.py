@@ -236,7 +236,7 @@ class LayerStore:
   def prefetch(self, i: int):
     """Starts copying a stream group's optimizer state to its home device, ahead of its update."""
     g = self.groups[i]
-    if g.tier == "stream" and i not in self._moments and self.owns(g):
+    if g.tier == "stream" and g.opt and i not in self._moments and self.owns(g):
       self._moments[i] = jax.device_put(g.opt, self.on(g.home))
 
   def to_host(self, x):
@@ -510,7 +510,8 @@ def create(cfg: Config, key: jax.Array, tiers: Sequence[Tier] | None = None,
       continue
     w = np.empty(lay.size, np.float32)
     init_params(spec, lay, name, seed, w)
-    opt = rule.init_host(lay)
+    # a frozen group (train.freeze) is never updated: no optimizer state
+    opt = {} if spec.part(kind_) in cfg.train.freeze else rule.init_host(lay)
     pinned = store.pinned(home)
     if tier == "device":
       w, opt = jax.device_put((w, opt), store.on(home))

@@ -49,6 +49,10 @@ def test_overrides_are_typed_and_applied_in_order():
     (["optim.clip_norm=-1"], "optim.clip_norm"),
     (["data.source=tokens"], "data.path"),
     (["train.seq"], "train.seq"),
+    (["train.freeze=[vision]"], "train.freeze"),  # a text-only model has no tower
+    (["train.freeze=[language]"], "train.freeze"),  # nothing left to train
+    (["train.freeze=[vision,projector,language]", "model.vision.layers=1"], "train.freeze"),
+    (["train.freeze=[tower]"], "train.freeze"),
 ])
 def test_bad_values_name_the_key(overrides, key):
   with pytest.raises(config.ConfigError) as e:

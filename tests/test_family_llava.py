@@ -117,34 +117,70 @@ def test_llava_equals_transformers(tmp_path):
   assert np.abs(moved - got).max() > 1e-2
 
 
-def test_engine_step_equals_torch_adamw(tmp_path):
+def test_backward_modes_of_each_freeze():
+  """What the backward does at each group (embed, vision_embed, 2 tower blocks, projector,
+  2 text blocks, head) for each train.freeze: a frozen group below which nothing trains ends
+  it; a frozen tower with nothing of the tower trained below passes the text stream's
+  cotangent; a frozen group with a trained one below passes it through its own vjp."""
+  cfg = mtjax.config.load(None, ["model.layers=2", "model.vision.layers=2",
+                                 "model.vision.image_token_id=5"]).model
+  spec = models.spec(cfg)
+  F, D, P, S = "full", "dx", "pass", "skip"
+  assert spec.backward_modes(()) == [F] * 8
+  assert spec.backward_modes(("vision",)) == [F, P, P, P, F, F, F, F]
+  assert spec.backward_modes(("projector",)) == [F, F, F, F, D, F, F, F]
+  assert spec.backward_modes(("vision", "projector")) == [F, P, P, P, P, F, F, F]
+  assert spec.backward_modes(("language",)) == [S, F, F, F, F, D, D, D]
+  assert spec.backward_modes(("projector", "language")) == [S, F, F, F, D, D, D, D]
+  assert spec.backward_modes(("vision", "language")) == [S, S, S, S, F, D, D, D]
+
+
+PARTS = {"vision": "vision_tower.", "projector": "multi_modal_projector.",
+         "language": ("language_model.", "lm_head.")}
+
+
+@pytest.mark.parametrize("freeze", [(), ("vision",), ("projector",), ("vision", "projector"),
+                                    ("language",), ("vision", "language")])
+def test_engine_step_equals_torch_adamw(tmp_path, freeze):
   """One streamed step over every tier (the embedding on the device, the tower's embedding
   streamed, the rest on the host) equals torch.optim.AdamW on transformers' model, images in
-  the batch [B, M, C, H, W]."""
+  the batch [B, M, C, H, W]; with train.freeze, torch's frozen parameters are those without
+  requires_grad: the frozen groups keep their weights bit for bit, hold no optimizer state, and
+  the trained ones still equal torch's (the backward through the frozen parts: a frozen
+  projector's cotangent to the text stream, a frozen text model's to the tower)."""
   save_llava(tmp_path)
   lr, B, T = 1e-2, 2, 14
   over = [f"model.from_hf={tmp_path}", "model.vision.max_images=2",
           "engine.compute_dtype=float32", "engine.devices=1", f"train.batch={B}",
           f"train.seq={T}", f"optim.lr={lr}", "optim.warmup_steps=0", "optim.min_lr_ratio=1.0",
           "optim.weight_decay=0.1", "optim.b2=0.99", "optim.eps=1e-4",
-          "engine.device_state_layers=1", "engine.device_update_layers=1"]
+          "engine.device_state_layers=1", "engine.device_update_layers=1",
+          f"train.freeze=[{','.join(freeze)}]"]
   cfg, _ = launch.plan_run(cli.load_config(None, over))
   assert cfg.model.vision.max_images == 2
   st = store_lib.create(cfg, jax.random.key(0))
   hf.load_into(st, tmp_path)
+  before = mtjax.to_hf_names(cfg.model, st.to_tree())
   inputs, targets, pixels = rows(cfg.model, T)
   images, _ = models.vision.image_inputs(cfg.model, inputs, pixels)
   eng = engine_lib.Engine(cfg, st)
   stats = eng.step(data.Batch(inputs, targets, images=images))
   eng.sync()
   got = mtjax.to_hf_names(cfg.model, st.to_tree())
+  frozen_groups = [g.name for g in st.groups if not g.opt]
   eng.close()
+  assert frozen_groups == [name for name, kind in models.spec(cfg.model).groups
+                           if models.spec(cfg.model).part(kind) in freeze]
 
   m, _, loss, _ = torch_reference(tmp_path, inputs, targets, pixels)
   assert_close(stats.loss, loss, name="cross-entropy before the step")
   m.zero_grad()
-  decay = [p for n, p in m.named_parameters() if p.ndim >= 2 and not n.endswith("bias")]
-  rest = [p for n, p in m.named_parameters() if not (p.ndim >= 2 and not n.endswith("bias"))]
+  frozen = lambda n: n.startswith(tuple(p for part in freeze for p in np.atleast_1d(PARTS[part])))
+  for n, p in m.named_parameters():
+    p.requires_grad_(not frozen(n))
+  trained = [(n, p) for n, p in m.named_parameters() if not frozen(n)]
+  decay = [p for n, p in trained if p.ndim >= 2 and not n.endswith("bias")]
+  rest = [p for n, p in trained if not (p.ndim >= 2 and not n.endswith("bias"))]
   opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                            {"params": rest, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.99),
                           eps=1e-4)
@@ -154,8 +190,13 @@ def test_engine_step_equals_torch_adamw(tmp_path):
   opt.step()  # the unused block has no gradient: torch's AdamW leaves it, and mtjax holds none
   want = parity.as_checkpoint(m)
   for name in got:
+    if frozen(name):
+      np.testing.assert_array_equal(got[name], before[name], err_msg=name)
+      continue
     # Adam's per-coordinate step is up to lr whatever the gradient (tests/numerics.py, atol)
     assert_close(got[name], want[name], atol=1e-3 * lr, name=name)
+    # what moved is what torch moved (a tower key bias's gradient is exactly zero: it stays)
+    assert np.array_equal(got[name], before[name]) == np.array_equal(want[name], before[name]), name
 
 
 def test_every_spelling_of_the_tensors_loads_the_same(tmp_path):

@@ -822,3 +822,25 @@ def test_the_fused_updates_cost_follows_the_moments_storage():
   assert f"x{schedule.STATE_COSTS['int8'][1]}" in text
   with pytest.raises(ValueError, match="already for int8"):
     plan.Rates().for_state("int8").for_state("int8")
+
+
+@pytest.mark.parametrize("freeze", [("vision",), ("vision", "projector"), ("projector",),
+                                    ("language",)])
+def test_frozen_parts_hold_no_optimizer_state_and_send_no_gradient(freeze):
+  """train.freeze in the plan, every group on the host: the optimizer state, the host update and
+  the gradients out are the trained groups' alone, and the step predicted shorter."""
+  over = ["model.vision.layers=2", "model.vision.image_token_id=5",
+          "engine.device_state_layers=0", "engine.device_update_layers=0"]
+  base = config.load(CONFIGS / "tiny.yaml", over)
+  frozen = config.load(CONFIGS / "tiny.yaml", over + [f"train.freeze=[{','.join(freeze)}]"])
+  spec = models.spec(base.model)
+  trained = sum(spec.counts[k] for _, k in spec.groups if spec.part(k) not in freeze)
+  everything = spec.counts["total"]
+  a, b = plan.make(base, 2**36), plan.make(frozen, 2**36)
+  assert a.host["optimizer state"] == base.optim.moment_bytes * everything
+  assert b.host["optimizer state"] == base.optim.moment_bytes * trained
+  assert b.step_s["host optimizer"] == pytest.approx(a.step_s["host optimizer"] * trained
+                                                     / everything)
+  assert b.step_s["device->host"] == pytest.approx(a.step_s["device->host"] * trained
+                                                   / everything)
+  assert b.schedule_s < a.schedule_s

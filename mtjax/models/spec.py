@@ -40,6 +40,31 @@ class ModelSpec:
     """Block groups before the decoder's: the vision tower's (embedding, blocks, projector)."""
     return len(vision.group_kinds(self.cfg))
 
+  def part(self, kind: str) -> str:
+    """The part of the model a group of `kind` belongs to (train.freeze's names)."""
+    return "projector" if kind == "projector" else "vision" if kind in vision.KINDS else "language"
+
+  def backward_modes(self, freeze=()) -> list[str]:
+    """What the backward does at each group, in forward order, with the parts `freeze` names
+    held: "full" (a gradient for its weights), "dx" (frozen: only its input's cotangent, for a
+    trained group below), "pass" (a frozen tower group with no trained tower group below: the
+    text stream's cotangent passes it, the features' is never needed) or "skip" (frozen, nothing
+    below trains: the backward has ended)."""
+    kinds = [k for _, k in self.groups]
+    frozen = [self.part(k) in freeze for k in kinds]
+    first = frozen.index(False)
+    modes = []
+    for i, k in enumerate(kinds):
+      if not frozen[i]:
+        modes.append("full")
+      elif i < first:
+        modes.append("skip")
+      elif k in vision.KINDS and all(frozen[j] for j in range(i) if kinds[j] in vision.KINDS):
+        modes.append("pass")
+      else:
+        modes.append("dx")
+    return modes
+
   def text_layer(self, block: int) -> int | None:
     """The decoder layer index of the `block`-th block group, None for a tower group."""
     return None if block < self.tower else block - self.tower

@@ -135,11 +135,14 @@ STATE_COSTS = {"float32": (1.0, 1.0), "bfloat16": (0.31, 1.0), "int8": (0.56, 2.
 @dataclasses.dataclass(frozen=True)
 class Layer:
   """One layer group as the schedule sees it: parameters, device seconds forward and backward
-  (the head's whole loss step counts as forward), saved-input bytes that cross the link."""
+  (the head's whole loss step counts as forward), saved-input bytes that cross the link, and
+  whether it is frozen (train.freeze: no gradient leaves it, no update; its backward, if any,
+  only passes the cotangent on)."""
   params: int
   fwd_s: float
   bwd_s: float
   saved_input_bytes: int
+  frozen: bool = False
 
 
 def simulate(layers: list[Layer], tiers, rates: Rates, inflight: int = 2, grad_queue: int = 4,
@@ -222,6 +225,14 @@ def simulate(layers: list[Layer], tiers, rates: Rates, inflight: int = 2, grad_q
           if g + 2 + inflight < n:
             gate = max(gate, bwd_done[g + 2 + inflight])
           lay, tier = layers[g], tiers[g]
+          if lay.frozen:  # its weights come in only where its backward runs; nothing goes out
+            if g < n - 1 and lay.bwd_s:
+              nbytes = (4 * lay.params if tier == "host" else 0) + lay.saved_input_bytes
+              arrived = run("h2d", gate, nbytes / h2d_rate) if nbytes else gate
+              bwd_done[g] = run("compute", max(arrived, gate), lay.bwd_s)
+            else:
+              bwd_done[g] = done[-1] if g == n - 1 else gate
+            continue
           streamed = tier == "stream" and applying
           if g == n - 1:  # the head's gradient exists once its (forward) step ran
             computed = done[-1]

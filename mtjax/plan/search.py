@@ -292,7 +292,8 @@ def refuse_by_size(cfg: config_lib.Config, host_limit: int | None, device_limit:
     mlp = min(mlp, 3 * D * m.moe.expert_ffn * m.moe.experts)
   at_least = m.vocab_size * D * (1 if m.tie_embeddings else 2) + m.layers * (
       2 * D * m.heads * m.dim_per_head + mlp)
-  per_param = 4 + cfg.optim.moment_bytes
+  # a frozen text model (train.freeze: language) holds no optimizer state
+  per_param = 4 + cfg.optim.moment_bytes * ("language" not in cfg.train.freeze)
   total = host_limit + (device_limit or 0) * devices_of(cfg)
   if per_param * at_least > total:
     params = count_params(m)
@@ -324,6 +325,7 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
   `optimistic`; only the pessimistic one otherwise, as the search compares those)."""
   spec = models.spec(cfg.model)
   groups = _Groups.of(cfg, spec, tiers, opt_bytes)
+  tiers_run = ["host" if t == "stream" and f else t for t, f in zip(tiers, groups.frozen)]
   shape = _PassShape.of(cfg)
   host = _host_bytes(cfg, groups, shape, rates, grad_queue)
   device = _device_bytes(cfg, groups, shape, rates, working)
@@ -333,7 +335,7 @@ def _make(cfg: config_lib.Config, tiers: list[str], host_limit, device_limit, ra
   fits = ((host_limit is None or sum(host.items.values()) <= host_limit)
           and (device_limit is None or sum(device.values()) <= device_limit))
   # the simulation costs O(layers); a plan that does not fit needs none
-  sched, best = (_simulated(cfg, step.layers, tiers, rates, grad_queue, shape, optimistic)
+  sched, best = (_simulated(cfg, step.layers, tiers_run, rates, grad_queue, shape, optimistic)
                  if fits else (math.inf, math.inf))
   pc = spec.counts
   return Plan(pc["total"], tuple(tiers), host.items, device, host.pinned, step.terms, host_limit,
@@ -356,16 +358,29 @@ class _Groups:
   stream: list[int]
   device: list[int]
   devices: int  # the data-parallel devices
+  modes: list[str]  # each group's backward (ModelSpec.backward_modes: full, dx, pass, skip)
 
   @classmethod
   def of(cls, cfg: config_lib.Config, spec: models.ModelSpec, tiers: list[str],
          opt_bytes: dict | None) -> _Groups:
     pc = spec.counts
     kinds = [k for _, k in spec.groups]
-    opt = [(opt_bytes or {}).get(k, cfg.optim.moment_bytes * pc[k]) for k in kinds]
+    modes = spec.backward_modes(cfg.train.freeze)
+    opt = [0 if mode != "full" else (opt_bytes or {}).get(k, cfg.optim.moment_bytes * pc[k])
+           for k, mode in zip(kinds, modes)]  # a frozen group holds no optimizer state
+    # a frozen stream group is never updated on the device: its weights come in as a host group's
+    tiers = ["host" if t == "stream" and mode != "full" else t for t, mode in zip(tiers, modes)]
     on = lambda tier: [i for i, tr in enumerate(tiers) if tr == tier]
     return cls([pc[k] for k in kinds], opt, on("host"), on("stream"), on("device"),
-               devices_of(cfg))  # the device count is resolved by the caller
+               devices_of(cfg), modes)  # the device count is resolved by the caller
+
+  @property
+  def frozen(self) -> list[bool]:
+    return [mode != "full" for mode in self.modes]
+
+  def trained(self, idx) -> list[int]:
+    """Of `idx`, the groups that get a gradient and an update."""
+    return [i for i in idx if self.modes[i] == "full"]
 
   def params(self, idx) -> int:
     return sum(self.sizes[i] for i in idx)
@@ -423,7 +438,7 @@ def _largest(group_sizes, k: int) -> int:
 
 def _host_bytes(cfg: config_lib.Config, g: _Groups, shape: _PassShape, rates: Rates,
                 grad_queue: int) -> _HostBytes:
-  G, host_g = shape.passes, g.host
+  G, host_g, host_t = shape.passes, g.host, g.trained(g.host)
   largest_stream = max((g.sizes[i] for i in g.stream), default=0)
   largest_stream_opt = max((g.opt[i] for i in g.stream), default=0)
   largest_dev = max((g.sizes[i] + g.opt[i] // 4 for i in g.device), default=0)
@@ -431,11 +446,11 @@ def _host_bytes(cfg: config_lib.Config, g: _Groups, shape: _PassShape, rates: Ra
       "master weights": 4 * g.params(host_g + g.stream),
       "optimizer state": sum(g.opt[i] for i in host_g + g.stream),
       # at most grad_queue queued, one being applied, one landing
-      "gradients in flight": 4 * _largest([g.sizes[i] for i in host_g], grad_queue + 2),
+      "gradients in flight": 4 * _largest([g.sizes[i] for i in host_t], grad_queue + 2),
       # a host group's gradient held until the norm is known, or its sum between passes
       # (accumulation: the held gradient is the sum, so one buffer serves both)
-      "clip gradient buffer": 4 * g.params(host_g) if shape.clip_held and G == 1 else 0,
-      "gradient accumulation sums": 4 * g.params(host_g) if G > 1 else 0,
+      "clip gradient buffer": 4 * g.params(host_t) if shape.clip_held and G == 1 else 0,
+      "gradient accumulation sums": 4 * g.params(host_t) if G > 1 else 0,
       "stream staging": 2 * (4 * largest_stream + largest_stream_opt) if g.stream else 0,
       "device-tier staging (sync, checkpoints)": 4 * largest_dev if g.device else 0,
       "activations on host": shape.spilled * shape.saved_input,
@@ -461,7 +476,7 @@ def _device_bytes(cfg: config_lib.Config, g: _Groups, shape: _PassShape, rates: 
   on their home devices, the rest is replicated."""
   e, nd, K = cfg.engine, g.devices, shape.every
   held = shape.kept - shape.spilled  # kept inputs in device memory
-  on_device = g.stream + g.device
+  on_device = g.trained(g.stream + g.device)
   device = {
       "weights and optimizer state (device tier)": g.busiest(g.state(g.device)),
       "resident weights (stream tier)": g.busiest([4 * g.sizes[i] for i in g.stream]),
@@ -469,7 +484,7 @@ def _device_bytes(cfg: config_lib.Config, g: _Groups, shape: _PassShape, rates: 
                                                              default=0),
       "streamed weights": 4 * _largest([g.sizes[i] for i in g.host + g.stream],
                                        e.inflight_layers + 1),
-      "gradients": 4 * _largest(g.sizes, 2),
+      "gradients": 4 * _largest([g.sizes[i] for i in g.trained(range(len(g.sizes)))], 2),
       # kept inputs in device memory (and two in flight from the host when some are spilled),
       # and with K > 1 one segment's re-computed inputs plus the block's own at the turn between
       # two segments
@@ -560,12 +575,17 @@ def _compute(cfg: config_lib.Config, spec: models.ModelSpec, g: _Groups, shape: 
   chunks = G * -(-shape.rows * t.seq // min(e.loss_chunk, shape.rows * t.seq))
   head_mem_s = (HEAD_LOGIT_BYTES * V * tokens / nd + HEAD_CHUNK_BYTES * V * D * chunks) / (
       rates.hbm_gbps * 1e9)
-  # forward, its re-runs, backward (2x the forward): matmuls and causal attention
+  # forward, its re-runs, backward (2x the forward): matmuls and causal attention; a frozen
+  # block's backward (train.freeze) computes no weight gradient (a third of its matmuls), or
+  # none at all where nothing below it trains
   rerun = shape.reruns
-  total = (seconds((6 + 2 * rerun) * sum(block_matmul) * tokens + head_flops,
-                   (3 + rerun) * sum(attn_fwd)) + head_mem_s
-           + DEVICE_UPDATE_BYTES * rates.device_update_factor * g.params(g.stream + g.device)
-           / (rates.hbm_gbps * 1e9))
+  modes = g.modes[1:-1]
+  mm_factor = {"full": 6 + 2 * rerun, "dx": 4 + 2 * rerun, "pass": 2, "skip": 2}
+  attn_factor = {"full": 3 + rerun, "dx": 3 + rerun, "pass": 1, "skip": 1}
+  total = (seconds(sum(mm_factor[mo] * b for mo, b in zip(modes, block_matmul)) * tokens
+                   + head_flops, sum(attn_factor[mo] * a for mo, a in zip(modes, attn_fwd)))
+           + head_mem_s + DEVICE_UPDATE_BYTES * rates.device_update_factor
+           * g.params(g.trained(g.stream + g.device)) / (rates.hbm_gbps * 1e9))
   # the schedule's layers are one pass's (simulate runs G of them per step)
   block_fwd = [seconds(2 * block_matmul[j] * tokens, attn_fwd[j]) / G
                for j in range(m.block_groups)]
@@ -579,12 +599,14 @@ def _link_bytes(g: _Groups, shape: _PassShape) -> tuple[int, int]:
   times, a host group's gradient comes out G times and its sum goes in G - 1 times."""
   G, blocks = shape.passes, len(g.sizes) - 2
   saved = shape.spilled * shape.saved_input
-  # blocks' re-runs fetch their weights again
-  fetches = lambda i: 1 + shape.reruns if 0 < i <= blocks else 1
+  # blocks' re-runs fetch their weights again; a frozen block without a backward only once
+  fetches = lambda i: (1 + shape.reruns if 0 < i <= blocks and g.modes[i] in ("full", "dx")
+                       else 1)
   stream_opt = sum(g.opt[i] for i in g.stream)
+  trained = g.params(g.trained(g.host))  # frozen groups send no gradient
   h2d = (G * (sum(4 * g.sizes[i] * fetches(i) for i in g.host) + saved)
-         + (G - 1) * 4 * g.params(g.host) + stream_opt)
-  d2h = G * (4 * g.params(g.host) + saved) + stream_opt
+         + (G - 1) * 4 * trained + stream_opt)
+  d2h = G * (4 * trained + saved) + stream_opt
   return h2d, d2h
 
 
@@ -604,15 +626,19 @@ def _step_terms(cfg: config_lib.Config, spec: models.ModelSpec, g: _Groups, shap
       "compute": work.seconds,
       "host->device": h2d / (rates.h2d_gbps * 1e9),
       "device->host": d2h / (rates.d2h_gbps * 1e9),
-      "host optimizer": g.params(g.host) / (rates.host_adamw_gparams * 1e9),
+      "host optimizer": g.params(g.trained(g.host)) / (rates.host_adamw_gparams * 1e9),
   }
   K = shape.every
-  layers = [Layer(g.sizes[0], 0.0, 0.0, 0)]
+  frozen = g.frozen
+  # a frozen block's backward: the input's cotangent alone (about half the work), or none
+  bwd = {"full": 2 + shape.reruns, "dx": 1 + shape.reruns, "pass": 0.0, "skip": 0.0}
+  layers = [Layer(g.sizes[0], 0.0, 0.0, 0, frozen[0])]
   # A block whose input was not kept has its forward re-run in the backward: (K-1)/K of them.
-  layers += [Layer(g.sizes[i + 1], fwd, (2 + shape.reruns) * fwd,
-                   shape.saved_input if i % K == 0 and i // K < shape.spilled else 0)
+  layers += [Layer(g.sizes[i + 1], fwd, bwd[g.modes[i + 1]] * fwd,
+                   shape.saved_input if i % K == 0 and i // K < shape.spilled else 0,
+                   frozen[i + 1])
              for i, fwd in enumerate(work.block_fwd_s)]
-  layers += [Layer(g.sizes[-1], work.head_s, 0.0, 0)]
+  layers += [Layer(g.sizes[-1], work.head_s, 0.0, 0, frozen[-1])]
   return _Step(terms, layers, h2d + d2h)
 
 
