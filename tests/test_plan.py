@@ -666,6 +666,13 @@ def test_the_arithmetic_count_is_the_layouts_for_every_shipped_shape():
     over = ["data.source=synthetic", "train.eval_every=0"] if f.name == "finetune.yaml" else []
     m = config.load(f, over).model
     assert plan.count_params(m) == plan.param_counts(m)["total"], f.name
+  for tower, projector, tokens in [("clip", "mlp", None), ("siglip", "pool", 144),
+                                   ("siglip", "mlp", None), ("clip", "pool", 36)]:
+    m = config.load(CONFIGS / "llava_7b.yaml", [
+        f"model.vision.tower={tower}", f"model.vision.projector={projector}",
+        f"model.vision.tokens_per_image={tokens or 'null'}",
+        "model.vision.projector_bias=false"]).model
+    assert plan.count_params(m) == plan.param_counts(m)["total"], (tower, projector)
 
 
 def test_the_plan_counts_the_checkpoints_a_run_writes_and_shows_only_the_files_it_writes(tmp_path):

@@ -56,7 +56,25 @@ def count_params(m: config_lib.ModelConfig) -> int:
     net += a.value_dim + vd * D  # the gated norm, out_proj
     linear = m.layer_types.count("linear") * (net - attn)
   head = D + (0 if m.tie_embeddings else D * V)
-  return V * D + (m.layers - moe_layers) * block + moe_layers * moe_block + linear + head
+  return (V * D + (m.layers - moe_layers) * block + moe_layers * moe_block + linear + head
+          + _tower_params(m))
+
+
+def _tower_params(m: config_lib.ModelConfig) -> int:
+  """A vision tower's parameters (mtjax.models.vision): the patch embedding, positions (CLIP's
+  class token and pre-norm), its blocks and the projector (SigLIP's post-norm in it)."""
+  v = m.vision
+  if v is None:
+    return 0
+  Dv, F, D = v.hidden, v.ffn, m.hidden
+  clip, siglip = v.tower == "clip", v.tower == "siglip"
+  embed = v.channels * v.patch ** 2 * Dv + v.seq * Dv + 3 * Dv * clip + Dv * siglip
+  block = 4 * Dv * Dv + 2 * Dv * F + 9 * Dv + F  # q, k, v, o and the MLP with biases; 2 norms
+  if v.projector == "mlp":
+    projector = Dv * D + D * D + 2 * D * v.projector_bias
+  else:  # average pool, RMSNorm, one matrix
+    projector = Dv * D + Dv
+  return embed + v.layers * block + projector + 2 * Dv * siglip
 
 
 def flops(cfg: config_lib.Config) -> dict[str, float]:
