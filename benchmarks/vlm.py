@@ -15,7 +15,6 @@ cotangent: 4 of their 6).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
