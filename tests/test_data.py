@@ -92,7 +92,8 @@ def test_validation_packing_by_hand(tmp_path):
   # rows of 5 overlapping by one: [a0 a1 a2 b0 b1] [b1 b2 b3 c0 c1], a padding row fills the batch
   np.testing.assert_array_equal(b0.inputs, [[11, 12, 13, 21], [22, 23, 24, 31], [PAD] * 4])
   assert b0.inputs.shape == (3, 4) and not b0.loss_weights[2].any()
-  b0 = data.Batch(*(getattr(b0, f.name)[:2] for f in dataclasses.fields(b0)))
+  b0 = data.Batch(*(None if getattr(b0, f.name) is None else getattr(b0, f.name)[:2]
+                    for f in dataclasses.fields(b0)))
   np.testing.assert_array_equal(b0.targets, [[12, 13, 21, 22], [23, 24, 31, 32]])
   np.testing.assert_array_equal(b0.positions, [[0, 1, 2, 0], [0, 1, 2, 0]])
   np.testing.assert_array_equal(b0.segments, [[0, 0, 0, 1], [0, 0, 0, 1]])
