@@ -35,6 +35,7 @@ SMOKES = {"bench.py": "test_bench_smoke_runs_every_system_and_records_the_fields
           "int8_adamw.py": "test_int8_adamw_smoke_times_each_state_dtype_and_compares_the_maps",
           "decode.py": "test_decode_smoke_times_both_systems",
           "moments_quality.py": "test_moments_quality_smoke_trains_each_state_dtype",
+          "vlm.py": "test_vlm_smoke_times_each_freeze",
           "deepspeed_wheels.sh": None,  # builds wheels from the network: nothing to smoke
           "attention_wheels.sh": None}  # downloads wheels from the network: nothing to smoke
 
@@ -302,3 +303,18 @@ def test_moments_quality_smoke_trains_each_state_dtype(tmp_path):
   assert all(len(v["train"]) == 6 and len(v["held_out"]) >= 2 for v in r.values())
   assert (tmp_path / "runs" / "moments_quality.png").stat().st_size > 0
   assert "| int8 |" in done.stdout
+
+
+@pytest.mark.soak  # three engines on a tiny vision-language model
+def test_vlm_smoke_times_each_freeze(tmp_path):
+  out = tmp_path / "vlm.json"
+  done = subprocess.run([sys.executable, str(BENCH / "vlm.py"), "--smoke", "--out", str(out)],
+                        capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-2000:]
+  rows = json.loads(out.read_text())
+  assert [r["freeze"] for r in rows] == [[], ["vision"], ["vision", "projector"]]
+  for r in rows:
+    assert np.isfinite(r["loss"]) and r["step_s"] > 0 and r["plan_s"] > 0
+    assert r["tokens_per_s"] * r["step_s"] == pytest.approx(2 * 64)  # the smoke's batch 2 x 64
+  # a frozen part's optimizer state is left out of the plan's host bytes
+  assert rows[0]["host_gib"] > rows[1]["host_gib"] > rows[2]["host_gib"]
