@@ -380,8 +380,8 @@ class RolloutSource:
     cfg, s, G = self.cfg, self.s, self.s.group
     rows = self._rows(g)
     self.engine.sync()  # every update of the step before is in the weights sampled from
-    params = self.engine.store.to_tree()
     dtype = jnp.bfloat16 if cfg.engine.compute_dtype == "bfloat16" else jnp.float32
+    params = self.engine.store.device_tree(dtype)  # on the device, no host copy
     prompts = [self.prompts.ids[r] for r in rows for _ in range(G)]
     t0 = time.perf_counter()
     done = generate(cfg.model, params, prompts, max_new_tokens=s.max_new_tokens,
@@ -450,8 +450,8 @@ class HeldOutRewards:
     from mtjax.generate import generate
     cfg, s, p = self.cfg, self.cfg.train.grpo, self.prompts
     engine.sync()
-    params = engine.store.to_tree()
     dtype = jnp.bfloat16 if cfg.engine.compute_dtype == "bfloat16" else jnp.float32
+    params = engine.store.device_tree(dtype)
     done = []
     for first in range(0, len(p.ids), cfg.train.batch):
       done += generate(cfg.model, params, p.ids[first:first + cfg.train.batch],
@@ -522,6 +522,21 @@ class GroupRelative(objectives.Objective):
 
   def host_bytes(self, params):
     return 4 * params if self.beta > 0 else 0  # the reference copy (FrozenWeights)
+
+  def device_bytes(self, cfg, params):
+    """The sampler's: the weights in the compute dtype, a KV cache of train.batch rows at the
+    longest row's slots, the prefill's scores over them, and a few [rows, vocab] fp32 arrays of
+    each sampling step (logits, the filters' sorted copies)."""
+    from mtjax import generate
+    m, t, s = cfg.model, cfg.train, self.settings
+    width = 2 if cfg.engine.compute_dtype == "bfloat16" else 4
+    dtype = jnp.bfloat16 if width == 2 else jnp.float32
+    slots = generate.bucket(t.seq + 1)
+    cache = jax.eval_shape(lambda: generate.empty_cache(m, t.batch, slots, dtype))
+    prompt = t.seq + 1 - s.max_new_tokens
+    scores = 2 * 4 * t.batch * m.heads * prompt * slots  # fp32 scores and probabilities
+    return (width * params + sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache))
+            + scores + 4 * 4 * t.batch * m.vocab_size)
 
   def head_step(self, fns):
     s = self.settings

@@ -73,6 +73,11 @@ class Objective:
     planner counts it)."""
     return 0
 
+  def device_bytes(self, cfg: config_lib.Config, params: int) -> int:
+    """Device memory it needs between steps (beside the device tier's state, in place of the
+    step's own buffers) for a model of `params` parameters (the planner counts it)."""
+    return 0
+
   def batch_weight(self, batch) -> float:
     """A batch's weight among held-out batches (its loss is a mean over what this counts)."""
     raise NotImplementedError

@@ -132,6 +132,7 @@ class LayerStore:
     self.wait_s = 0.0  # host seconds spent waiting for the host optimizer (reset by the engine)
     self._resident: dict[int, jax.Array] = {}  # stream groups: updated weights kept on the device
     self._moments: dict[int, dict] = {}  # stream groups: optimizer state prefetched to the device
+    self._casts: dict = {}  # (layout, dtype) -> jitted unflatten-and-cast (device_tree)
     self._views: dict[tuple[int, str], np.ndarray] = {}
     self._views_lock = threading.Lock()  # the host optimizer's thread fills it too
     self._device_update = jax.jit(self._device_update_fn, static_argnums=(5,),
@@ -411,6 +412,20 @@ class LayerStore:
   def to_tree(self) -> dict:
     """Numpy copies of all weights: {'embed': ..., 'blocks': [...], 'head': ...} (call sync first)."""
     trees = [g.layout.unflatten(self.read(i)["w"]) for i, g in enumerate(self.groups)]
+    return {"embed": trees[0], "blocks": trees[1:-1], "head": trees[-1]}
+
+  def device_tree(self, dtype=jnp.bfloat16) -> dict:
+    """Every group's current weights on the devices in `dtype`, laid out as `to_tree()`: each
+    group fetched as a step fetches it and cast there, so no host copy is made and one group's
+    fp32 copy is in flight at a time (the sampler's weights; call sync first)."""
+    trees = []
+    for i, g in enumerate(self.groups):
+      cast = self._casts.get((g.layout, dtype))
+      if cast is None:
+        cast = jax.jit(lambda w, layout=g.layout: jax.tree.map(
+            lambda a: a.astype(dtype), layout.unflatten(w)))
+        self._casts[(g.layout, dtype)] = cast
+      trees.append(cast(self.fetch(i)))
     return {"embed": trees[0], "blocks": trees[1:-1], "head": trees[-1]}
 
   def opt_trees(self) -> dict:

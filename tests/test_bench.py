@@ -36,6 +36,7 @@ SMOKES = {"bench.py": "test_bench_smoke_runs_every_system_and_records_the_fields
           "decode.py": "test_decode_smoke_times_both_systems",
           "moments_quality.py": "test_moments_quality_smoke_trains_each_state_dtype",
           "vlm.py": "test_vlm_smoke_times_each_freeze",
+          "grpo.py": "test_grpo_smoke_splits_the_step_into_generation_and_training",
           "deepspeed_wheels.sh": None,  # builds wheels from the network: nothing to smoke
           "attention_wheels.sh": None}  # downloads wheels from the network: nothing to smoke
 
@@ -318,3 +319,16 @@ def test_vlm_smoke_times_each_freeze(tmp_path):
     assert r["tokens_per_s"] * r["step_s"] == pytest.approx(2 * 64)  # the smoke's batch 2 x 64
   # a frozen part's optimizer state is left out of the plan's host bytes
   assert rows[0]["host_gib"] > rows[1]["host_gib"] > rows[2]["host_gib"]
+
+
+@pytest.mark.soak  # a GRPO run of three steps
+def test_grpo_smoke_splits_the_step_into_generation_and_training(tmp_path):
+  out = tmp_path / "grpo.json"
+  done = subprocess.run([sys.executable, str(BENCH / "grpo.py"), "--smoke", "--out", str(out)],
+                        capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-2000:]
+  row = json.loads(out.read_text())
+  assert row["generation_s"] > 0 and row["train_step_s"] > 0 and row["train_plan_s"] > 0
+  assert row["step_s"] == row["generation_s"] + row["train_step_s"]
+  assert 1 <= row["completion_tokens_mean"] <= 12 and len(row["reward_mean"]) == 3
+  assert "| generation |" in done.stdout

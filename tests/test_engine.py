@@ -361,6 +361,24 @@ def test_weights_loaded_between_steps_replace_device_copies():
   eng.close()
 
 
+def test_device_tree_is_every_tiers_current_weights_cast_on_the_device():
+  # one group of each tier, after a step (stream weights resident until sync): the sampler's
+  # tree equals the host copy, exactly in fp32 and as numpy's cast in bf16
+  cfg = make_cfg(engine_=dict(device_state_layers=1, device_update_layers=1))
+  st, eng = new_engine(cfg)
+  eng.step(batch_for(cfg))
+  eng.sync()
+  host = st.to_tree()
+  chex.assert_trees_all_equal(jax.device_get(st.device_tree(jnp.float32)), host)
+  got = st.device_tree(jnp.bfloat16)
+  assert all(a.dtype == jnp.bfloat16 and a.sharding.memory_kind == "device"
+             for a in jax.tree.leaves(got))
+  chex.assert_trees_all_equal(jax.device_get(got),
+                              jax.tree.map(lambda a: a.astype(jnp.bfloat16), host))
+  assert st.tiers() == ["device", "stream"] + ["host"] * (len(st.groups) - 2)
+  eng.close()
+
+
 def test_bad_batch_is_refused_without_touching_state():
   cfg = make_cfg()
   st, eng = new_engine(cfg)

@@ -202,6 +202,33 @@ def test_the_plan_counts_the_reference_copy_kl_coef_keeps():
   assert plan.make(grpo_cfg()).host[item] == 0
 
 
+def test_the_plan_counts_the_sampler_s_device_bytes_beyond_the_step_s():
+  from mtjax import generate, plan, store as store_lib
+  cfg = grpo_cfg(dict(max_new_tokens=6))
+  t, m = cfg.train, cfg.model
+  st = store_lib.create(cfg, jax.random.key(0))
+  params = st.device_tree(jnp.float32)
+  prompt = t.seq + 1 - 6  # the longest prompt train.seq leaves beside the completion
+  ids = np.ones((t.batch, prompt), np.int32)
+  _, cache = generate.prefill(m, params, ids, np.ones_like(ids, bool),
+                              slots=generate.bucket(prompt + 6))
+  held = sum(a.nbytes for a in jax.tree.leaves((params, cache)))  # what a rollout allocates
+  got = objectives.get(t).device_bytes(cfg, st.n_params)
+  slots = cache.valid.shape[1]
+  # beside them: the prefill's fp32 scores and probabilities, four [rows, vocab] fp32 arrays
+  assert got == held + 8 * t.batch * m.heads * prompt * slots + 16 * t.batch * m.vocab_size
+  made = plan.make(cfg)
+  step = sum(v for k, v in made.device.items()
+             if k not in ("weights and optimizer state (device tier)",
+                          "sampler beyond the step's buffers (train.grpo)"))
+  largest = max(g.size for g in st.groups)
+  assert made.device["sampler beyond the step's buffers (train.grpo)"] == max(
+      0, got + 4 * largest - step)
+  assert "sampler beyond the step's buffers (train.grpo)" not in plan.make(
+      config.from_dict({**config.to_dict(cfg), "train": {**config.to_dict(cfg)["train"],
+                                                         "objective": "lm"}})).device
+
+
 def arithmetic(tmp_path):
   """The example's character tokenizer and prompts (examples/grpo_arithmetic.py), written here."""
   from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers

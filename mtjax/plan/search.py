@@ -507,6 +507,13 @@ def _device_bytes(cfg: config_lib.Config, g: _Groups, shape: _PassShape, rates: 
     device["layer executables (compiled)"] = max(w["temp"] + w["output"] for w in working.values())
   else:
     device["layer working set (estimated)"] = _working_set(cfg, shape, rates, nd)
+  sampler = objectives.get(cfg.train).device_bytes(cfg, sum(g.sizes))
+  if sampler:
+    # The sampler runs between steps, when the step's buffers are free and the device tier's
+    # state is not; it fetches one group's fp32 weights at a time to cast them.
+    step = sum(v for k, v in device.items() if k != "weights and optimizer state (device tier)")
+    device["sampler beyond the step's buffers (train.grpo)"] = max(
+        0, sampler + 4 * max(g.sizes) - step)
   return device
 
 
