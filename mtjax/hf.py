@@ -38,7 +38,11 @@ class HFError(ValueError):
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "added_tokens.json", "vocab.json", "vocab.txt",
-                   "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
+                   "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+                   # a vision-language model's processor: its image preprocessing and how the
+                   # processor joins it to the tokenizer
+                   "preprocessor_config.json", "processor_config.json",
+                   "video_preprocessor_config.json")
 _DTYPES = {"BF16": (np.uint16, 2), "F16": (np.float16, 2), "F32": (np.float32, 4)}
 # What a packed weight's stored tensors may be besides (a decoder reads them as they are).
 _RAW_DTYPES = {**{k: v[0] for k, v in _DTYPES.items()}, "U8": np.uint8, "I8": np.int8}
@@ -359,8 +363,8 @@ def export(out_dir: str | os.PathLike, cfg: ModelConfig, groups: Iterable[tuple[
 
 
 def copy_source_files(source_dir: str | os.PathLike, dest: str | os.PathLike, config: bool = True):
-  """Copies a Hugging Face directory's config.json (unless `config` is False) and tokenizer files
-  that exist into `dest` (created)."""
+  """Copies a Hugging Face directory's config.json (unless `config` is False) and the tokenizer and
+  processor files that exist into `dest` (created)."""
   dest = Path(dest)
   dest.mkdir(parents=True, exist_ok=True)
   for f in (("config.json",) if config else ()) + TOKENIZER_FILES:

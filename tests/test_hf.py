@@ -39,7 +39,8 @@ FAMILIES = {  # name -> (config class, extra config kwargs, shard size: small = 
 }
 ROOT = Path(__file__).parent.parent
 TOKENIZER = {"tokenizer.json": '{"version": "1.0"}', "tokenizer_config.json": '{"x": 1}',
-             "merges.txt": "a b\n", "chat_template.jinja": "{{ messages }}"}
+             "merges.txt": "a b\n", "chat_template.jinja": "{{ messages }}",
+             "preprocessor_config.json": '{"size": 336}', "processor_config.json": '{"y": 2}'}
 
 
 def build(family, directory, dtype=torch.float32, seed=0):
