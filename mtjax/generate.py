@@ -171,32 +171,45 @@ def inference_config(cfg: ModelConfig) -> ModelConfig:
   return dataclasses.replace(cfg, from_hf=None)
 
 
+def _block_step(cfg, kind, p, x_BxTxD, positions_BxT, valid_BxT, k_cache, v_cache, k_pos, k_valid,
+                at, dtype):
+  """One block over T new tokens written at slots [at, at + T) of its cache (`k_pos`, `k_valid`
+  already mark them): the block's output and its cache."""
+  spec = models.spec(cfg)
+  block = spec.block(kind)
+  bound = {"params": jax.tree.map(lambda a: a.astype(dtype), p)}
+  tables = block.apply(bound, positions_BxT, method=lambda m, pos: m.attn.rope(pos))
+  q, k, v, *gate = block.apply(bound, x_BxTxD, *tables, method=Block._qkv)
+  k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), at, axis=1)
+  v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), at, axis=1)
+  scoring = block.apply(bound, method=lambda m: m.attn.scoring())
+  chunk = cfg.attention_chunk if spec.kinds[kind].layer_type == "chunked" else None
+  a = cached_attention(q, k_cache, v_cache, positions_BxT, k_pos, k_valid, **scoring, chunk=chunk)
+  if gate:  # the attention's output gate (Qwen3-Next), as its sequence core applies it
+    a = a * jax.nn.sigmoid(gate[0]).astype(a.dtype)
+  x_BxTxD, _ = block.apply(bound, x_BxTxD, a, valid_BxT.astype(jnp.float32), method=Block._out)
+  return x_BxTxD, k_cache, v_cache
+
+
+def _slots(cache: KVCache, positions_BxT, valid_BxT):
+  """The cache's slot positions and validity with T new tokens' written at its next slots."""
+  at = cache.length
+  return (jax.lax.dynamic_update_slice_in_dim(cache.positions, positions_BxT, at, axis=1),
+          jax.lax.dynamic_update_slice_in_dim(cache.valid, valid_BxT, at, axis=1))
+
+
 def _run_blocks(cfg, params, x_BxTxD, positions_BxT, valid_BxT, cache: KVCache, dtype):
   """Every block over T new tokens written at slots [length, length + T) of `cache`: the residual
   stream after the last block and the cache with the new keys and values."""
   spec = models.spec(cfg)
-  T = x_BxTxD.shape[1]
-  at = cache.length
-  k_pos = jax.lax.dynamic_update_slice_in_dim(cache.positions, positions_BxT, at, axis=1)
-  k_valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, valid_BxT, at, axis=1)
+  k_pos, k_valid = _slots(cache, positions_BxT, valid_BxT)
   ks, vs = [], []
   for (_, kind), p, k_cache, v_cache in zip(spec.groups[1:-1], params["blocks"], cache.k, cache.v):
-    block = spec.block(kind)
-    bound = {"params": jax.tree.map(lambda a: a.astype(dtype), p)}
-    tables = block.apply(bound, positions_BxT, method=lambda m, pos: m.attn.rope(pos))
-    q, k, v, *gate = block.apply(bound, x_BxTxD, *tables, method=Block._qkv)
-    k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), at, axis=1)
-    v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), at, axis=1)
-    scoring = block.apply(bound, method=lambda m: m.attn.scoring())
-    chunk = cfg.attention_chunk if spec.kinds[kind].layer_type == "chunked" else None
-    a = cached_attention(q, k_cache, v_cache, positions_BxT, k_pos, k_valid, **scoring,
-                         chunk=chunk)
-    if gate:  # the attention's output gate (Qwen3-Next), as its sequence core applies it
-      a = a * jax.nn.sigmoid(gate[0]).astype(a.dtype)
-    x_BxTxD, _ = block.apply(bound, x_BxTxD, a, valid_BxT.astype(jnp.float32), method=Block._out)
+    x_BxTxD, k_cache, v_cache = _block_step(cfg, kind, p, x_BxTxD, positions_BxT, valid_BxT,
+                                            k_cache, v_cache, k_pos, k_valid, cache.length, dtype)
     ks.append(k_cache)
     vs.append(v_cache)
-  return x_BxTxD, KVCache(tuple(ks), tuple(vs), k_pos, k_valid, at + T)
+  return x_BxTxD, KVCache(tuple(ks), tuple(vs), k_pos, k_valid, cache.length + x_BxTxD.shape[1])
 
 
 def _logits(cfg, params, x_BxTxD, dtype):
@@ -243,6 +256,98 @@ def decode(cfg: ModelConfig, params, cache: KVCache, tokens_B, positions_B, *, d
   return _logits(cfg, params, x[:, 0], dtype), cache
 
 
+# ---- streamed layers: a model whose weights do not fit the device beside its cache -------------
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kind", "dtype"),
+                   donate_argnames=("k_cache", "v_cache"))
+def _one_block(cfg, kind, p, x_BxTxD, positions_BxT, valid_BxT, k_cache, v_cache, k_pos, k_valid,
+               at, *, dtype):
+  return _block_step(cfg, kind, p, x_BxTxD, positions_BxT, valid_BxT, k_cache, v_cache, k_pos,
+                     k_valid, at, dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype"))
+def _embed_tokens(cfg, ends, ids_BxT, *, dtype):
+  return models.spec(cfg).embed(dtype).apply({"params": ends["embed"]}, ids_BxT)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype"))
+def _head_logits(cfg, ends, x_BxD, *, dtype):
+  return _logits(cfg, ends, x_BxD, dtype)
+
+
+class Streamed:
+  """The blocks' weights in host memory (pinned where the backend has it), sent to the device one
+  block at a time for every prefill and decoded token, as training streams them; the embedding
+  and head stay on the device. Each pass over the blocks moves every block's weights once, so a
+  decoded token costs (block bytes / link bandwidth) whatever the batch: large batches amortise
+  it. At most two blocks' weights are on the device at once (the next one's copy overlaps the
+  current one's compute)."""
+
+  def __init__(self, cfg: ModelConfig, params: dict, dtype):
+    from mtjax.store import host_memory_kind
+    self.cfg, self.dtype = cfg, dtype
+    device = jax.devices()[0]
+    kind = host_memory_kind(device)
+    host = jax.sharding.SingleDeviceSharding(device, memory_kind=kind) if kind else None
+    self.on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device" if kind
+                                                       else None)
+    cast = lambda a: np.asarray(a).astype(dtype)
+    self.blocks = [jax.tree.map(lambda a: jax.device_put(cast(a), host) if host else cast(a), b)
+                   for b in params["blocks"]]
+    self.ends = jax.tree.map(lambda a: jnp.asarray(cast(a)),
+                             {"embed": params["embed"], "head": params["head"]})
+    self.kinds = [k for _, k in models.spec(cfg).groups[1:-1]]
+
+  def _blocks(self, x_BxTxD, positions_BxT, valid_BxT, cache: KVCache):
+    k_pos, k_valid = _slots(cache, positions_BxT, valid_BxT)
+    ks, vs, ahead, done = [], [], jax.device_put(self.blocks[0], self.on_device), None
+    for i, (kind, k_cache, v_cache) in enumerate(zip(self.kinds, cache.k, cache.v)):
+      p = ahead
+      if done is not None:
+        done.block_until_ready()  # block i-1 has run: its weights are free before i+1's come
+      if i + 1 < len(self.blocks):
+        ahead = jax.device_put(self.blocks[i + 1], self.on_device)
+      x_BxTxD, k_cache, v_cache = _one_block(self.cfg, kind, p, x_BxTxD, positions_BxT,
+                                             valid_BxT, k_cache, v_cache, k_pos, k_valid,
+                                             cache.length, dtype=self.dtype)
+      done = x_BxTxD
+      ks.append(k_cache)
+      vs.append(v_cache)
+    return x_BxTxD, KVCache(tuple(ks), tuple(vs), k_pos, k_valid,
+                            cache.length + x_BxTxD.shape[1])
+
+  def prefill(self, ids_BxP, valid_BxP, *, slots: int):
+    """As `prefill` (each row's last logits and a fresh cache)."""
+    positions_BxP = jnp.maximum(jnp.cumsum(jnp.asarray(valid_BxP, jnp.int32), axis=1) - 1, 0)
+    x = _embed_tokens(self.cfg, self.ends, jnp.asarray(ids_BxP), dtype=self.dtype)
+    cache = empty_cache(self.cfg, ids_BxP.shape[0], slots, self.dtype)
+    x, cache = self._blocks(x, positions_BxP, jnp.asarray(valid_BxP), cache)
+    return _head_logits(self.cfg, self.ends, x[:, -1], dtype=self.dtype), cache
+
+  def decode(self, cache: KVCache, tokens_B, positions_B):
+    """As `decode` (one token a row into the next slot)."""
+    x = _embed_tokens(self.cfg, self.ends, tokens_B[:, None], dtype=self.dtype)
+    valid_Bx1 = jnp.ones(tokens_B.shape + (1,), bool)
+    x, cache = self._blocks(x, positions_B[:, None], valid_Bx1, cache)
+    return _head_logits(self.cfg, self.ends, x[:, 0], dtype=self.dtype), cache
+
+
+def fits_device(cfg: ModelConfig, params: dict, batch: int, slots: int, dtype) -> bool:
+  """Whether the weights in `dtype` and a cache of `batch` rows x `slots` fit the first device's
+  free memory with a tenth to spare (True where the backend does not say: the CPU)."""
+  stats = jax.devices()[0].memory_stats() or {}
+  if "bytes_limit" not in stats:
+    return True
+  free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+  width = jnp.dtype(dtype).itemsize
+  weights = sum(np.size(a) for a in jax.tree.leaves(params)) * width
+  cache = jax.eval_shape(lambda: empty_cache(cfg, batch, slots, dtype))
+  need = weights + sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache))
+  return need <= 0.9 * free
+
+
 @jax.jit
 def _choose(key, logits_BxV, seen_BxV, knobs):
   """Each row's next token, and the tokens seen with it: one compiled program per shape, whatever
@@ -282,7 +387,8 @@ def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[np.ndarray, np.
 def generate(cfg: ModelConfig, params: dict, prompts, *, max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
              repetition_penalty: float = 1.0, eos_ids=(), stop=(), tokenizer=None, seed: int = 0,
-             dtype=jnp.float32, stats: dict | None = None) -> list[list[int]]:
+             dtype=jnp.float32, stream: bool | None = None,
+             stats: dict | None = None) -> list[list[int]]:
   """Completions of `prompts` by the model: the new token ids of each, ending at (and holding) the
   first of `eos_ids`, or at the token whose text completes one of the `stop` strings (`tokenizer`,
   a `tokenizers.Tokenizer`, decodes them), or after `max_new_tokens`.
@@ -295,6 +401,9 @@ def generate(cfg: ModelConfig, params: dict, prompts, *, max_new_tokens: int,
     temperature, top_k, top_p, min_p, repetition_penalty: `Sampling`'s (temperature 0: greedy).
     seed: the PRNG seed of the draws (unused when greedy).
     dtype: the weights' and activations' dtype in the layers (bfloat16 for speed).
+    stream: keep the blocks' weights in host memory and send them to the device block by block
+      for every pass (`Streamed`); None: stream host-held weights only where they and the cache
+      do not fit the device (`fits_device`).
     stats: filled with "prompt_tokens", "new_tokens" and "seconds" (prefill and decoding,
       compiling included), and "decode_tokens" and "decode_seconds" after the second token
       (compiled by then).
@@ -315,10 +424,22 @@ def generate(cfg: ModelConfig, params: dict, prompts, *, max_new_tokens: int,
     raise ValueError("stop strings need a tokenizer to decode the completions")
   refuse_uncached(cfg)
   cfg = inference_config(cfg)
-  # Cast once, as mtjax.forward casts each layer's weights (the steps then cast nothing).
-  params = jax.tree.map(lambda a: jnp.asarray(a).astype(dtype), params)
   ids, valid = left_pad(prompts)
   B = len(prompts)
+  slots = bucket(ids.shape[1] + max_new_tokens)
+  if stream is None:
+    held = any(isinstance(a, jax.Array) for a in jax.tree.leaves(params))  # on a device already
+    stream = not held and not fits_device(cfg, params, B, slots, dtype)
+  if stream:
+    streamed = Streamed(cfg, params, dtype)
+    run_prefill, run_decode = streamed.prefill, streamed.decode
+  else:
+    # Cast once, as mtjax.forward casts each layer's weights (the steps then cast nothing).
+    params = jax.tree.map(lambda a: jnp.asarray(a).astype(dtype), params)
+    run_prefill = lambda ids_BxP, valid_BxP, slots: prefill(cfg, params, ids_BxP, valid_BxP,
+                                                            slots=slots, dtype=dtype)
+    run_decode = lambda cache, tokens_B, positions_B: decode(cfg, params, cache, tokens_B,
+                                                             positions_B, dtype=dtype)
   # The one place keys are made: one per decoded token, each row's draw from it independent.
   keys = jax.random.split(jax.random.key(seed), max_new_tokens)
   knobs = _knobs(sampling)
@@ -327,8 +448,7 @@ def generate(cfg: ModelConfig, params: dict, prompts, *, max_new_tokens: int,
     seen[i, p] = True
   seen = jnp.asarray(seen)
   start = time.perf_counter()
-  logits, cache = prefill(cfg, params, jnp.asarray(ids), jnp.asarray(valid),
-                          slots=bucket(ids.shape[1] + max_new_tokens), dtype=dtype)
+  logits, cache = run_prefill(jnp.asarray(ids), jnp.asarray(valid), slots=slots)
   positions = jnp.asarray(valid.sum(1), jnp.int32)
   out: list[list[int]] = [[] for _ in prompts]
   done = np.zeros(B, bool)
@@ -345,10 +465,10 @@ def generate(cfg: ModelConfig, params: dict, prompts, *, max_new_tokens: int,
       # long factors (transformers' Phi-3 recomputes its cache there too).
       history = np.concatenate([ids, np.stack([np.asarray(c) for c in chosen], 1)], axis=1)
       seen_all = np.concatenate([valid, np.ones((B, t + 1), bool)], axis=1)
-      logits, cache = prefill(cfg, params, jnp.asarray(history), jnp.asarray(seen_all),
-                              slots=cache.valid.shape[1], dtype=dtype)
+      logits, cache = run_prefill(jnp.asarray(history), jnp.asarray(seen_all),
+                                  slots=cache.valid.shape[1])
     elif t + 1 < max_new_tokens:  # the last token's successor is never asked for
-      logits, cache = decode(cfg, params, cache, tokens, positions + t, dtype=dtype)
+      logits, cache = run_decode(cache, tokens, positions + t)
     for i, tok in enumerate(np.asarray(tokens).tolist()):  # waits for the step before
       if done[i]:
         continue

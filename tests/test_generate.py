@@ -211,6 +211,31 @@ def test_cache_path_logits_equal_the_forward_at_every_position(family):
   assert_close(got, want, name=f"{family} cached logits")
 
 
+@pytest.mark.parametrize("family", ["gemma2"] + [pytest.param(f, marks=pytest.mark.soak)
+                                                 for f in ("llama", "gpt_oss", "deepseek_v3")])
+def test_streamed_blocks_give_the_resident_model_s_logits_and_completions(family):
+  """The blocks' weights sent one block at a time (a model too big for the device beside its
+  cache): every prefill and decoded position's logits equal the whole-model programs' (fp32: one
+  jitted block at a time fuses differently, so to rounding), and the greedy completions agree."""
+  cfg, params = random_model(family)
+  cfg = gen.inference_config(cfg)
+  ids = parity.token_ids(cfg.vocab_size, B=2, T=2 * NEW, seed=1)
+  valid = np.ones(ids.shape, bool)
+  valid[1, :3] = False
+  P = len(PROMPTS[0])
+  streamed = gen.Streamed(cfg, params, jnp.float32)
+  logits, cache = streamed.prefill(ids[:, :P], valid[:, :P], slots=ids.shape[1])
+  got, positions = [np.asarray(logits)], valid[:, :P].sum(1)
+  for t in range(P, ids.shape[1] - 1):
+    logits, cache = streamed.decode(cache, jnp.asarray(ids[:, t]),
+                                    jnp.asarray(positions + t - P, jnp.int32))
+    got.append(np.asarray(logits))
+  assert_close(np.stack(got, 1), cached_logits(cfg, params, ids, valid, P),
+               name=f"{family} streamed logits")
+  assert (mtjax.generate(cfg, params, PROMPTS, max_new_tokens=NEW, stream=True)
+          == mtjax.generate(cfg, params, PROMPTS, max_new_tokens=NEW, stream=False))
+
+
 def test_a_capacity_limit_is_dropped_for_generation():
   cfg, _ = random_model("mixtral")
   capped = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=1.0))
