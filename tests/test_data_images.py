@@ -12,7 +12,8 @@ from PIL import Image
 from tokenizers import Tokenizer
 
 from mtjax import config, data
-from mtjax.data import images as images_lib
+from mtjax.data import images as images_lib, tokenize
+from numerics import assert_close
 from test_chat import SPECIALS, make_tokenizer
 from test_data import prepare_cli, prepared_cfg
 
@@ -64,16 +65,15 @@ def save_images(folder):
 
 
 def conversations(image):
-  """Three chats in content parts (`image(name)` gives each image part): one image, two images
-  in a multi-turn chat, and one without images."""
+  """Three chats in content parts (`image(name)` gives each image part): one image, an image in
+  each user turn of a multi-turn chat, and one without images."""
   text = lambda t: {"type": "text", "text": t}
   return [
       [{"role": "user", "content": [image("a.png"), text("What is this?")]},
        {"role": "assistant", "content": [text("A cat.")]}],
-      [{"role": "user", "content": [text("Compare "), image("b.png"), text(" and "),
-                                    image("c.jpg")]},
+      [{"role": "user", "content": [text("Compare "), image("b.png")]},
        {"role": "assistant", "content": [text("The first one.")]},
-       {"role": "user", "content": [text("Why?")]},
+       {"role": "user", "content": [image("c.jpg"), text(" Why?")]},
        {"role": "assistant", "content": [text("It is brighter.")]}],
       [{"role": "user", "content": [text("Hello")]},
        {"role": "assistant", "content": [text("Hi there.")]}]]
@@ -179,11 +179,19 @@ def test_parquet_bytes_with_placeholders_equal_the_content_parts(tmp_path, model
     for u, v in zip(x, y):
       np.testing.assert_array_equal(u, v)
   mixed = data.prepare(model_dir, tmp_path / "m", [str(jsonl), str(parquet)], weights=[1, 2],
-                       val_fraction=0, progress=False)
+                       val_fraction=0, progress=False, workers=2)
   assert mixed["shuffled"] and mixed["splits"]["train"]["documents"] == 6
   by_ids = {tuple(ids.tolist()): px for ids, _, px in a}
   for ids, _, px in docs(tmp_path / "m"):
     np.testing.assert_array_equal(px, by_ids[tuple(ids.tolist())])
+  # --max-len through the second image's tokens skips the row; one after an image keeps it whole
+  image_id = meta["images"]["image_token_id"]
+  at = np.flatnonzero(a[1][0] == image_id)
+  cut = data.prepare(model_dir, tmp_path / "c", [str(jsonl)], fmt="messages", val_fraction=0,
+                     progress=False, options=tokenize.Options(max_len=int(at[5])))
+  assert cut["stats"][0]["skipped"]["image cut by --max-len"]["count"] == 1
+  kept = docs(tmp_path / "c")
+  assert [len(px) for _, _, px in kept] == [1, 0] and cut["splits"]["train"]["images"] == 1
 
 
 def test_a_missing_image_is_counted_and_skipped_or_refused_with_strict(tmp_path, model_dir):
@@ -309,7 +317,7 @@ def test_fine_tune_llava_on_image_chats_end_to_end(tmp_path, model_dir):
     want = m(input_ids=torch.from_numpy(ids).long(),
              pixel_values=torch.from_numpy(pixels)).logits.numpy()
   got = np.asarray(mtjax.forward(got_cfg, params, ids, pixel_values=pixels))
-  np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+  assert_close(got, want, name="logits of the export")
   source = transformers.LlavaForConditionalGeneration.from_pretrained(src).state_dict()
   trained = m.state_dict()
   moved = {k for k in trained if k in source and not torch.equal(source[k], trained[k])}
