@@ -244,6 +244,12 @@ def test_training_refuses_packing_a_mismatched_model_and_too_many_images(tmp_pat
     n = counts[row] // 4
     assert all(b.images[row, k].any() == (k < n) for k in range(2))
   assert not b.loss_weights[b.targets == image_id].any()
+  held = list(data.validation_batches(prepared_cfg(out, mode="padded"), 2, 64, 10**6,
+                                      split="train", vision=v))
+  assert [x.images.shape for x in held] == [(2, 2, 3, SIDE, SIDE)] * 2
+  assert not held[-1].images[1].any()  # the padding row of the last batch
+  stored = data.Prepared(out, "train", 10**6).batch_images([0, 1, 2], v)  # in stored order
+  np.testing.assert_array_equal(np.concatenate([x.images for x in held])[:3], stored)
   # the model's processor normalises otherwise: refused in one line naming the setting
   other = tmp_path / "other"
   shutil.copytree(model_dir, other)
@@ -265,6 +271,12 @@ def test_dynamic_resolution_images_are_refused_in_one_line(tmp_path, model_dir):
   with pytest.raises(ValueError, match=r"chats\.jsonl:1: qwen2_vl \(QwenVLImages\) resizes each "
                                        r"image to a size of its own"):
     data.prepare(qwen, tmp_path / "out", [str(write_jsonl(folder))], val_fraction=0,
+                 progress=False)
+  plain = make_tokenizer(tmp_path / "plain", template=TEMPLATE, specials=SPECIALS + ["<image>"])
+  with pytest.raises(ValueError, match=r"chats\.jsonl:1: rows with images need the model's image "
+                                       r"processor: .*plain holds no preprocessor_config\.json; "
+                                       r"pass --processor MODEL_DIR"):
+    data.prepare(plain, tmp_path / "out", [str(write_jsonl(folder))], val_fraction=0,
                  progress=False)
   with pytest.raises(ValueError, match=r"^--processor: qwen2_vl"):
     data.prepare(model_dir, tmp_path / "out", [str(write_jsonl(folder))], val_fraction=0,
