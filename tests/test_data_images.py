@@ -334,3 +334,20 @@ def test_fine_tune_llava_on_image_chats_end_to_end(tmp_path, model_dir):
   trained = m.state_dict()
   moved = {k for k in trained if k in source and not torch.equal(source[k], trained[k])}
   assert any("vision_tower" in k for k in moved) and any("projector" in k for k in moved)
+
+
+def test_an_image_token_without_an_image_is_skipped(tmp_path, model_dir):
+  """A text row whose text holds the placeholder would put image tokens without an image in the
+  data: counted and skipped."""
+  f = tmp_path / "t.jsonl"
+  f.write_text(json.dumps({"messages": [{"role": "user", "content": "Look: <image>"},
+                                        {"role": "assistant", "content": "Nothing."}]}) + "\n"
+               + json.dumps({"messages": [{"role": "user", "content": "Hi"},
+                                          {"role": "assistant", "content": "Hello."}]}) + "\n")
+  meta = data.prepare(model_dir, tmp_path / "out", [str(f)], val_fraction=0, progress=False)
+  skipped = meta["stats"][0]["skipped"]
+  assert skipped["template error"]["count"] == 1
+  assert "t.jsonl:1: the rendered conversation holds 1 <image> for 0 images" in \
+      skipped["template error"]["first"]
+  assert meta["splits"]["train"] == {"documents": 1, "tokens": meta["splits"]["train"]["tokens"],
+                                     "images": 0}

@@ -206,7 +206,7 @@ def _end_with_eos(tok, eos: int, ids: np.ndarray, mask: np.ndarray):
 def _encode_conversation(msgs: list, last: bool):
   tok, eos, template = _WORKER["tok"], _WORKER["eos"], _WORKER["template"]
   if _WORKER["images"] is not None:  # a processor's template takes every content as parts
-    msgs = chat.as_parts(msgs)
+    return _encode_images(ImageChat(chat.as_parts(msgs), ()), last)[:2]
   ids, mask = chat.encode_chat(tok, template, msgs, last_turn_only=last)
   return _end_with_eos(tok, eos, ids, mask)
 
@@ -219,9 +219,10 @@ class _BadImage(ValueError):
     self.reason = reason
 
 
-def _encode_images(doc: ImageChat, last: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _encode_images(doc: ImageChat, last: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
   """A conversation with images: ids with each image's tokens in place of its placeholder, the
-  loss mask (never on an image token) and the images as stored, [n, H, W, 3] uint8."""
+  loss mask (never on an image token) and the images as stored, [n, H, W, 3] uint8 (None: none;
+  a placeholder without an image is an error)."""
   from mtjax.data.images import load_image
 
   tok, eos, template, proc = (_WORKER[k] for k in ("tok", "eos", "template", "images"))
@@ -241,7 +242,7 @@ def _encode_images(doc: ImageChat, last: bool) -> tuple[np.ndarray, np.ndarray, 
                      f"{per_image * len(pixels)} expected")
   mask[marked] = 0  # an image token is never a target
   ids, mask = _end_with_eos(tok, eos, ids, mask)
-  return ids, mask, np.stack(pixels)
+  return ids, mask, np.stack(pixels) if pixels else None
 
 
 def _encode_chunk(chunk: list[tuple[str, object]]) -> list[tuple]:
