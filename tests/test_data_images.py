@@ -351,3 +351,26 @@ def test_an_image_token_without_an_image_is_skipped(tmp_path, model_dir):
       skipped["template error"]["first"]
   assert meta["splits"]["train"] == {"documents": 1, "tokens": meta["splits"]["train"]["tokens"],
                                      "images": 0}
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3"])
+def test_expand_moves_the_spans_with_the_text_they_cover(family):
+  """Each placeholder becomes its image's tokens as images.encode replaces it, and every span
+  covers the same characters after the expansion as before (Gemma 3's replacement adds blank
+  lines and its start and end tokens around the image tokens)."""
+  if family == "llava":
+    proc = images_lib.ImageProcessor.from_configs(CLIP, {"processor_class": "LlavaProcessor",
+                                                         "patch_size": PATCH})
+  else:
+    proc = images_lib.ImageProcessor.from_configs(
+        {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": 28, "width": 28}},
+        {"processor_class": "Gemma3Processor", "image_seq_length": 4})
+  ph = proc.tokens.placeholder
+  text = f"user: {ph}a{ph} look\nassistant: yes {ph}!\nassistant: no\n"
+  spans = [(text.index("yes"), text.index("!") + 1), (text.index("no"), len(text) - 1)]
+  out, moved = proc.expand(text, spans, 3)
+  assert out.count(proc.tokens.marked) == 3 * proc.stored()["tokens_per_image"]
+  assert [out[a:b] for a, b in moved] == [text[a:b].replace(ph, proc.tokens.replacement(
+      np.zeros((3, 28, 28)), None)) for a, b in spans]
+  with pytest.raises(ValueError, match=f"holds 3 {ph} for 2 images"):
+    proc.expand(text, spans, 2)
