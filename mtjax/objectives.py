@@ -135,7 +135,9 @@ class LanguageModel(Objective):
     if cfg.data.source == "prepared":  # refuses data of another model's tokenizer
       data.check_tokenizer(cfg.data.path, cfg.model.from_hf, cfg.model.vocab_size,
                            cfg.data.allow_other_tokenizer)
-    source = data.source(cfg.data, t.batch, t.seq, cfg.model.vocab_size, t.seed)
+    if cfg.data.source == "prepared" and cfg.model.vision is not None:  # and its processor's
+      data.check_processor(cfg.data.path, cfg.model.from_hf)
+    source = data.source(cfg.data, t.batch, t.seq, cfg.model.vocab_size, t.seed, cfg.model.vision)
     if t.eval_every:  # the held-out split is checked now, not at the first evaluation
       try:
         data.Prepared(cfg.data.path, "val", cfg.model.vocab_size)
@@ -157,7 +159,8 @@ class _HeldOutTokens:
 
   def evaluate(self, engine) -> dict[str, float]:
     c, t = self.cfg, self.cfg.train
-    batches = data.validation_batches(c.data, t.batch, t.seq, c.model.vocab_size)
+    batches = data.validation_batches(c.data, t.batch, t.seq, c.model.vocab_size,
+                                      vision=c.model.vision)
     return {"held_out_loss": engine.evaluate(b for _, b in zip(range(t.eval_batches), batches))}
 
 

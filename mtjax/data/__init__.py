@@ -1,8 +1,8 @@
 """Data: token batches for training and evaluation, and `python -m mtjax.data prepare`.
 
   batch.py       Batch, the synthetic stream
-  sources.py     a flat token file, prepared documents (packed or padded), held-out batches,
-                 preference pairs (read_pairs)
+  sources.py     a flat token file, prepared documents (packed or padded, images with padded
+                 rows), held-out batches, preference pairs (read_pairs)
   fingerprint.py the tokenizer prepared data was made with, checked against the model's
   readers.py     input files as rows: JSONL, JSON, CSV, Parquet, Arrow, datasets folders, text
   formats.py     rows as documents: text, alpaca, sharegpt, messages, prompt_completion, preference
@@ -14,7 +14,7 @@
 """
 
 from mtjax.data.batch import Batch, Synthetic, synthetic_batch
-from mtjax.data.fingerprint import check_tokenizer, tokenizer_fingerprint
+from mtjax.data.fingerprint import check_processor, check_tokenizer, tokenizer_fingerprint
 from mtjax.data.sources import (SPLITS, Pairs, Prepared, PreparedSource, TokenFile, batches,
                                 position, read_pairs, source, validation_batches)
 
@@ -26,5 +26,5 @@ def prepare(*args, **kwargs):
 
 
 __all__ = ["Batch", "Pairs", "Prepared", "PreparedSource", "SPLITS", "Synthetic", "TokenFile",
-           "batches", "check_tokenizer", "position", "prepare", "read_pairs", "source",
+           "batches", "check_processor", "check_tokenizer", "position", "prepare", "read_pairs", "source",
            "synthetic_batch", "tokenizer_fingerprint", "validation_batches"]

@@ -97,6 +97,9 @@ def parser() -> argparse.ArgumentParser:
                      epilog="Formats, sources, mixtures and output files: docs/data.md")
   q.add_argument("--tokenizer", required=True, help="directory with tokenizer.json, or the file")
   q.add_argument("--out", required=True, help="directory to write (replaced whole, atomically)")
+  q.add_argument("--processor", default=None,
+                 help="the model's processor folder, for rows with images (default: the "
+                      "--tokenizer folder, where it holds preprocessor_config.json)")
   q.add_argument("--format", choices=FORMATS, default="auto",
                  help="row format; auto picks each source's from its first row")
   q.add_argument("--columns", default=None,
@@ -142,6 +145,7 @@ def _request(a: argparse.Namespace) -> Request:
                  weights=a.weights, epochs=a.epochs,
                  options=Options(a.train_on_prompt, a.last_turn_only, a.max_len, a.overflow),
                  workers=a.workers, seed=a.seed, eos=a.eos, strict=a.strict,
+                 processor=a.processor,
                  allow_low_disk=a.allow_low_disk)
 
 

@@ -98,12 +98,25 @@ def problem(messages: list[dict]) -> tuple[str, int, str] | None:
     if m.get("role") not in ROLES:
       return "unknown role", k, (f"messages[{k}] has unknown role {m.get('role')!r} (not one of "
                               f"{', '.join(ROLES)})")
-    if m["role"] == "assistant" and not str(m.get("content") or "").strip():
+    if m["role"] == "assistant" and not text_of(m.get("content")).strip():
       return "empty assistant turn", k, (f"messages[{k}] is an empty assistant message: nothing to "
                                       "train on")
   if not any(m["role"] == "assistant" for m in messages):
     return "no assistant turn", len(messages), "conversation has no assistant message to train on"
   return None
+
+
+def text_of(content) -> str:
+  """A message's text: its content, or the text of its parts ([{"type": "text", "text"}, ...])."""
+  if isinstance(content, list):
+    return "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+  return str(content or "")
+
+
+def as_parts(messages: list[dict]) -> list[dict]:
+  """The messages with every string content as one text part, as processors' templates take them."""
+  return [{**m, "content": [{"type": "text", "text": m["content"]}]}
+          if isinstance(m.get("content"), str) else m for m in messages]
 
 
 def check_messages(messages: list[dict]) -> None:
@@ -251,7 +264,8 @@ class ChatTemplate:
     # again with the content replaced by a character none of these renderings holds: the two
     # differ exactly where the template puts the content.
     probe = _probe(full, before, through)
-    probed = dict(messages[i], content=probe)
+    parts = isinstance(messages[i].get("content"), list)  # a processor's template: text parts
+    probed = dict(messages[i], content=[{"type": "text", "text": probe}] if parts else probe)
     alt = self.render(messages[:i] + [probed] + messages[i + 1:])
     if alt == full:
       return None  # the whole rendering leaves the message out: nothing of it to train on
@@ -353,7 +367,7 @@ def loss_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> n
 
 
 def encode_chat(tokenizer, template: ChatTemplate, messages: list[dict],
-                last_turn_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                last_turn_only: bool = False, expand=None) -> tuple[np.ndarray, np.ndarray]:
   """Tokenizes a conversation as `apply_chat_template(messages, tokenize=True)` does.
 
   Args:
@@ -361,6 +375,8 @@ def encode_chat(tokenizer, template: ChatTemplate, messages: list[dict],
     template: the tokenizer's chat template; its mask_method says how the mask was found.
     messages: [{"role": ..., "content": ...}, ...], roles from ROLES, no empty assistant message.
     last_turn_only: the mask covers the last assistant turn the rendering holds, not every one.
+    expand: (text, spans) -> (text, spans), applied to the rendering before it is tokenized (a
+      processor's image placeholders replaced by the image tokens: ImageProcessor.expand).
 
   Returns:
     (ids [n] int64, loss mask [n] uint8: 1 on the assistant messages' tokens).
@@ -369,5 +385,7 @@ def encode_chat(tokenizer, template: ChatTemplate, messages: list[dict],
   text, spans = template.assistant_spans(messages)
   if last_turn_only:
     spans = [s for s in spans if s[1] > s[0]][-1:]
+  if expand is not None:
+    text, spans = expand(text, spans)
   enc = tokenizer.encode(text, add_special_tokens=False)
   return np.asarray(enc.ids, np.int64), loss_mask(enc.offsets, spans)

@@ -79,3 +79,38 @@ def check_tokenizer(data_path: str | Path, model_dir: str | Path | None, vocab_s
                      f"meta.json ({e!r})") from None
   if data_vocab > vocab_size:
     raise ValueError(vocab_error(data_path, meta, vocab_size))
+
+
+# The processor settings prepared images depend on: the stored size and the load's arithmetic.
+_PROCESSOR_KEYS = ("height", "width", "resample", "rescale_factor", "mean", "std",
+                   "tokens_per_image", "image_token")
+
+
+def check_processor(data_path: str | Path, model_dir: str | Path | None) -> None:
+  """Refuses, in one line naming the setting, prepared images made with another image processor
+  than the model's (its size, resampling filter, rescale, mean or std, or the image tokens).
+
+  Data without images, a model without a directory or one whose directory holds no processor
+  files pass: the model's own shape is checked against the data when the source opens it.
+  """
+  meta = read_meta(Path(data_path))
+  made = meta.get("images")
+  if made is None or model_dir is None:
+    return
+  model_dir = Path(model_dir)
+  if not any((model_dir / f).is_file() for f in ("preprocessor_config.json",
+                                                 "processor_config.json")):
+    return
+  from mtjax.data.images import ImageProcessor
+
+  try:
+    want = ImageProcessor.from_dir(model_dir).stored()
+  except ValueError as e:
+    raise ValueError(f"model.from_hf: {model_dir}'s processor: {e}") from None
+  for key in _PROCESSOR_KEYS:
+    a, b = made.get(key), want.get(key)
+    if a != b and not (isinstance(a, list) and isinstance(b, list) and len(a) == len(b)
+                       and all(abs(x - y) <= 1e-9 for x, y in zip(a, b))):
+      raise ValueError(f"data.path: {data_path} was prepared by the processor of "
+                       f"{made.get('processor')} with {key} {a}, the model's processor "
+                       f"({model_dir}) has {b}; prepare it again with --processor {model_dir}")

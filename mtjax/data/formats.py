@@ -10,12 +10,18 @@ formats and the columns they read (each renamed with `--columns FIELD=COLUMN`):
   sharegpt           conversations: [{"from": ..., "value": ...}] with human/gpt/system/tool
                      (observation, function_call) roles; system (optional); the message keys are
                      the fields role and content (`--columns role=from,content=value` by default)
-  messages           messages: [{"role": ..., "content": ...}]
+  messages           messages: [{"role": ..., "content": ...}]; a content may be a list of parts,
+                     {"type": "text", "text"} and {"type": "image", "image" (or "path", "url")}
   prompt_completion  prompt, completion (or response), system (optional)
   preference         prompt (a string or messages; or messages), chosen, rejected (each a string or
                      a conversation whose last message is the answer), system (optional)
 
 `chat` (messages, else prompt and response, per row) and `jsonl` (text) are the older names.
+
+Images (sharegpt and messages): image parts in a message's content, or an `images` column (a list
+of paths, bytes or `datasets` Image values {"bytes", "path"}) whose images take, in order, the
+`<image>` placeholders of the text (LlamaFactory's form) or the image parts without a source. A
+relative path is read from the data file's folder. Such a row is an ImageChat.
 """
 
 from __future__ import annotations
@@ -32,7 +38,10 @@ FORMATS = ("auto", "text", "alpaca", "sharegpt", "messages", "prompt_completion"
 FIELDS = {"text": "text", "instruction": "instruction", "input": "input", "output": "output",
           "system": "system", "history": "history", "conversations": "conversations",
           "messages": "messages", "role": None, "content": None, "prompt": "prompt",
-          "completion": "completion", "chosen": "chosen", "rejected": "rejected"}
+          "completion": "completion", "chosen": "chosen", "rejected": "rejected",
+          "images": "images"}
+
+PLACEHOLDER = "<image>"  # where an image of the images column goes in a text (LlamaFactory's)
 
 # ShareGPT's roles (LlamaFactory's tags too) as the chat templates name them.
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -46,6 +55,16 @@ class Pair:
   prompt: list  # messages before the answer
   chosen: str
   rejected: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageChat:
+  """A conversation with images: every message's content a list of parts, {"type": "text",
+  "text"} or {"type": "image"} (as a processor's chat template takes them), and the images of the
+  image parts in order."""
+  messages: list
+  images: tuple  # each a path, bytes or a datasets Image value {"bytes", "path"}
+  base: str | None = None  # the folder relative paths are read from (the data file's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,13 +145,87 @@ def _messages(items: list, mapping: Mapping, where: str, roles: dict, role_key: 
     content = m.get(content_key)
     if content is None:
       content = ""
-    if not isinstance(content, str):
+    if isinstance(content, list):
+      content = [_part(x, f"{where}: message {k}") for x in content]
+    elif not isinstance(content, str):
       raise BadRow("bad message", f"{where}: message {k}'s {content_key!r} is a "
                    f"{type(content).__name__}, not a string")
     # columnar sources give every message every key of the column's struct: absent ones as None
     rest = {key: v for key, v in m.items() if key not in (role_key, content_key) and v is not None}
     out.append({**rest, "role": role, "content": content})
   return out
+
+
+_IMAGE_KEYS = ("image", "path", "url", "image_url")  # where an image part names its image
+
+
+def _part(x, where: str) -> dict:
+  """A content part as {"type": "text", "text"} or {"type": "image"} with its source under
+  "source" (None: the next image of the images column)."""
+  if isinstance(x, str):
+    return {"type": "text", "text": x}
+  if not isinstance(x, dict):
+    raise BadRow("bad message", f"{where}: a content part is a {type(x).__name__}, not an object")
+  x = {key: v for key, v in x.items() if v is not None}  # a columnar struct's absent keys
+  kind = x.get("type")
+  if kind == "text":
+    if not isinstance(x.get("text"), str):
+      raise BadRow("bad message", f"{where}: a text part without a string 'text'")
+    return {"type": "text", "text": x["text"]}
+  if kind in ("image", "image_url"):
+    source = next((x[key] for key in _IMAGE_KEYS if key in x), None)
+    if isinstance(source, dict) and "url" in source and "bytes" not in source:
+      source = source["url"]  # OpenAI's {"type": "image_url", "image_url": {"url"}}
+    if isinstance(source, str):
+      if source.startswith(("http://", "https://")):
+        raise BadRow("remote image", f"{where}: image {source}: only local files are read")
+      source = source.removeprefix("file://")
+    return {"type": "image", "source": source}
+  raise BadRow("bad message", f"{where}: a content part of type {kind!r} (text or image)")
+
+
+def _with_images(msgs: list, row: dict, mapping: Mapping, where: str):
+  """The messages, or an ImageChat where they hold images (their parts, or the images column's,
+  which fill the `<image>` placeholders of the text and the image parts without a source)."""
+  column = row.get(mapping.column("images"))
+  if column is None:
+    column = []
+  elif not isinstance(column, list):
+    column = [column]
+  has_parts = any(isinstance(m["content"], list) and any(p["type"] == "image" for p in m["content"])
+                  for m in msgs)
+  if not column and not has_parts:
+    # text parts alone read as one string, which text-only templates take too
+    return [m if isinstance(m["content"], str) else
+            {**m, "content": "".join(p["text"] for p in m["content"])} for m in msgs]
+  queue, images, out = list(column), [], []
+  for m in msgs:
+    parts = m["content"]
+    if isinstance(parts, str):
+      pieces = parts.split(PLACEHOLDER) if column else [parts]
+      parts = [{"type": "text", "text": pieces[0]}]
+      for piece in pieces[1:]:
+        parts += [{"type": "image", "source": None}, {"type": "text", "text": piece}]
+      parts = [p for p in parts if p["type"] == "image" or p["text"]]
+    content = []
+    for p in parts:
+      if p["type"] == "image":
+        source = p["source"]
+        if source is None:
+          if not queue:
+            raise BadRow("image count", f"{where}: more {PLACEHOLDER} placeholders and image parts "
+                         f"than the {len(column)} images of column {mapping.column('images')!r}")
+          source = queue.pop(0)
+        images.append(source)
+        content.append({"type": "image"})
+      else:
+        content.append(p)
+    out.append({**m, "content": content})
+  if queue:
+    raise BadRow("image count", f"{where}: {len(column)} images in column "
+                 f"{mapping.column('images')!r} for {len(column) - len(queue)} {PLACEHOLDER} "
+                 "placeholders and image parts")
+  return ImageChat(out, tuple(images))
 
 
 def check_conversation(msgs: list, where: str) -> list:
@@ -222,7 +315,9 @@ def _document(row: dict, fmt: str, mapping: Mapping, where: str):
                      content_key)
     if not any(m["role"] == "system" for m in msgs):
       msgs = _system(row, mapping, where) + msgs
-    return check_conversation(msgs, where)
+    doc = _with_images(msgs, row, mapping, where)
+    check_conversation(doc.messages if isinstance(doc, ImageChat) else doc, where)
+    return doc
   if fmt == "prompt_completion":
     prompt = _get(row, mapping, "prompt", where)
     if "completion" not in mapping.columns and mapping.column("completion") not in row \
@@ -242,6 +337,9 @@ def _document(row: dict, fmt: str, mapping: Mapping, where: str):
       prompt = [{"role": "user", "content": prompt}]
     else:
       prompt = _messages(prompt, mapping, where, SHAREGPT_ROLES, "role", "content")
+    if any(isinstance(m["content"], list) for m in prompt) or row.get(mapping.column("images")):
+      raise BadRow("images in a pair", f"{where}: preference rows with images or content parts "
+                   "are not supported")
     if not any(m["role"] == "system" for m in prompt):
       prompt = _system(row, mapping, where) + prompt
     chosen = _answer(_get(row, mapping, "chosen", where, kinds=(str, list)), "chosen", mapping,

@@ -194,8 +194,8 @@ class ClipImages:
       fill = tuple(int(m * 255) for m in norm.mean) if norm.mean else (0,)
     return cls(shortest, hw, crop, cfg.get("resample", BICUBIC), fill, norm)
 
-  def __call__(self, image: Image.Image) -> np.ndarray:
-    """pixel_values [3, H, W] float32 of an RGB image."""
+  def geometry(self, image: Image.Image) -> np.ndarray:
+    """The image padded, resized and cropped, before any arithmetic: [H, W, 3] uint8."""
     if self.pad_fill is not None:
       image = _pad_to_square(image, self.pad_fill)
     if self.shortest_edge is not None:
@@ -207,7 +207,16 @@ class ClipImages:
       x = np.asarray(image)
     if self.crop is not None:
       x = _center_crop(x, *self.crop)
-    return np.ascontiguousarray(self.norm(x).transpose(2, 0, 1))
+    return x
+
+  @property
+  def fixed_size(self) -> tuple[int, int] | None:
+    """(height, width) of every image after geometry; None where it follows the input's."""
+    return self.crop or self.size
+
+  def __call__(self, image: Image.Image) -> np.ndarray:
+    """pixel_values [3, H, W] float32 of an RGB image."""
+    return np.ascontiguousarray(self.norm(self.geometry(image)).transpose(2, 0, 1))
 
 
 def shortest_edge_size(height: int, width: int, edge: int) -> tuple[int, int]:
@@ -239,10 +248,18 @@ class SiglipImages:
     return cls(hw, cfg.get("resample", BILINEAR if gemma else BICUBIC),
                Norm.from_config(cfg, HALF, HALF))
 
+  def geometry(self, image: Image.Image) -> np.ndarray:
+    """The image resized, before any arithmetic: [H, W, 3] uint8."""
+    return np.asarray(image) if self.size is None else _resize(image, *self.size, self.resample)
+
+  @property
+  def fixed_size(self) -> tuple[int, int] | None:
+    """(height, width) of every image after geometry; None where it follows the input's."""
+    return self.size
+
   def __call__(self, image: Image.Image) -> np.ndarray:
     """pixel_values [3, H, W] float32 of an RGB image."""
-    x = np.asarray(image) if self.size is None else _resize(image, *self.size, self.resample)
-    return np.ascontiguousarray(self.norm(x).transpose(2, 0, 1))
+    return np.ascontiguousarray(self.norm(self.geometry(image)).transpose(2, 0, 1))
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int,
@@ -467,6 +484,48 @@ class ImageProcessor:
       return self.images(image)
     return self.images(image), None
 
+  def stored(self) -> dict:
+    """What prepared data records of this processor (meta.json's "images"): the size its images
+    are stored at as uint8, the arithmetic that normalises them at load, the placeholder and the
+    image token it expands to. Raises ValueError for a processor whose images have no one size
+    (Qwen-VL's dynamic resolution, a CLIP processor without a crop), which the files cannot hold.
+    """
+    size = None if isinstance(self.images, QwenVLImages) else self.images.fixed_size
+    if size is None:
+      kind = type(self.images).__name__
+      raise ValueError(f"{self.family} ({kind}) resizes each image to a size of its own (dynamic "
+                       "resolution), which prepared data cannot store yet")
+    norm = self.images.norm
+    h, w = size
+    tokens = self.tokens.replacement(np.zeros((3, h, w), np.uint8), None).count(self.tokens.marked)
+    return {"family": self.family, "height": h, "width": w, "channels": 3,
+            "resample": self.images.resample, "rescale_factor": norm.rescale_factor,
+            "mean": None if norm.mean is None else list(norm.mean),
+            "std": None if norm.std is None else list(norm.std),
+            "placeholder": self.tokens.placeholder, "image_token": self.tokens.marked,
+            "tokens_per_image": tokens}
+
+  def uint8(self, image: Image.Image) -> np.ndarray:
+    """An RGB image as stored in prepared data: [H, W, 3] uint8, resized, not yet normalised."""
+    return np.ascontiguousarray(self.images.geometry(image))
+
+  def expand(self, text: str, spans: list[tuple[int, int]], n_images: int
+             ) -> tuple[str, list[tuple[int, int]]]:
+    """A rendered conversation with each placeholder replaced by its image's tokens (as `encode`
+    does), and its character spans moved with the text they cover. Raises ValueError when the
+    rendering holds another number of placeholders than `n_images`."""
+    ph = self.tokens.placeholder
+    pieces = text.split(ph)
+    if len(pieces) - 1 != n_images:
+      raise ValueError(f"the rendered conversation holds {len(pieces) - 1} {ph} for "
+                       f"{n_images} images")
+    h, w = self.images.fixed_size
+    rep = self.tokens.replacement(np.zeros((3, h, w), np.uint8), None)
+    ends = np.cumsum([len(p) + len(ph) for p in pieces[:-1]])  # where each placeholder ends
+    grow = len(rep) - len(ph)
+    moved = lambda c: c + grow * int(np.searchsorted(ends, c, side="right"))
+    return rep.join(pieces), [(moved(a), moved(b)) for a, b in spans]
+
 
 @dataclasses.dataclass(frozen=True)
 class Encoded:
@@ -475,6 +534,15 @@ class Encoded:
   token_type_ids: np.ndarray  # [T] int32, 1 on image tokens (Gemma 3's token_type_ids)
   pixel_values: tuple[np.ndarray, ...]  # per image: [3, H, W], or Qwen's patches [t*h*w, 3*T*P*P]
   image_grid_thw: np.ndarray | None  # [images, 3] int64 grids in patches (Qwen), else None
+
+
+def normalize(pixels_NxHxWxC: np.ndarray, stored: dict) -> np.ndarray:
+  """Stored uint8 images ([N, H, W, C], ImageProcessor.uint8) as the processor's pixel_values
+  [N, C, H, W] float32, by the arithmetic `stored` (ImageProcessor.stored) records."""
+  mean, std = stored.get("mean"), stored.get("std")
+  norm = Norm(stored.get("rescale_factor"), None if mean is None else tuple(mean),
+              None if std is None else tuple(std))
+  return np.ascontiguousarray(norm(np.asarray(pixels_NxHxWxC)).transpose(0, 3, 1, 2))
 
 
 def encode(text: str, images: Sequence[Source], processor: ImageProcessor, tokenizer: Any, *,

@@ -1,6 +1,7 @@
 """Where training batches come from, each a pure function of the step: the synthetic stream, a flat
 token file, and prepared documents (`python -m mtjax.data prepare`), packed with document masks or
-padded; and the held-out batches of a prepared val split."""
+padded (with each row's images, for a vision-language model); and the held-out batches of a
+prepared val split."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Iterator
 
 import numpy as np
 
-from mtjax.config import DataConfig
+from mtjax.config import DataConfig, VisionConfig
 from mtjax.data.batch import Batch, Synthetic
 
 
@@ -79,8 +80,10 @@ class _TokenWindows:
 
 # ---------------------------------------------------------------------------------------------
 # Prepared documents: DIR/{split}.bin (tokens), .idx (uint64 document starts plus the end),
-# .mask (uint8, chat only: 1 where a token is a target the loss counts) and meta.json, which holds
-# a crc32c of every file (checked once per process and file when the data is opened).
+# .mask (uint8, chat only: 1 where a token is a target the loss counts), with images .pixels
+# (uint8 [N, H, W, 3] at the processor's size) and .images (uint64 image starts per document plus
+# the end), and meta.json, which holds a crc32c of every file (checked once per process and file
+# when the data is opened).
 
 SPLITS = ("train", "val")
 _CHECKED: set = set()  # (path, size, mtime_ns) of the files whose checksum matched meta.json
@@ -169,6 +172,17 @@ class Prepared:
     files = {f"{split}.bin": n_tokens * dtype.itemsize, f"{split}.idx": (n_docs + 1) * 8}
     if meta.get("has_mask"):
       files[f"{split}.mask"] = n_tokens
+    self.image_info = meta.get("images")
+    n_images = 0
+    if self.image_info is not None:
+      try:
+        n_images = int(info["images"])
+        shape = tuple(int(self.image_info[k]) for k in ("height", "width", "channels"))
+      except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"data.path: {meta_path} is not a prepared-data meta.json ({e!r})"
+                         ) from None
+      files[f"{split}.images"] = (n_docs + 1) * 8
+      files[f"{split}.pixels"] = n_images * int(np.prod(shape))
     _check_files(path, meta, files)
     self.path, self.split, self.meta = path, split, meta
     self.vocab, self.pad_id = data_vocab, pad_id
@@ -177,6 +191,15 @@ class Prepared:
     self.mask = (np.memmap(path / f"{split}.mask", dtype=np.uint8, mode="r")
                  if meta.get("has_mask") else None)
     self.lengths = np.diff(self.starts)
+    self.image_starts, self.pixels = None, None
+    if self.image_info is not None:
+      self.image_starts = np.fromfile(path / f"{split}.images", np.uint64).astype(np.int64)
+      if (self.image_starts[0] != 0 or self.image_starts[-1] != n_images
+          or np.any(np.diff(self.image_starts) < 0)):
+        raise ValueError(f"data.path: {path / (split + '.images')} is not a sorted list of image "
+                         f"starts from 0 to {n_images}")
+      self.pixels = (np.memmap(path / f"{split}.pixels", np.uint8, mode="r", shape=(n_images, *shape))
+                     if n_images else np.zeros((0, *shape), np.uint8))
     if self.starts[0] != 0 or self.starts[-1] != n_tokens or np.any(self.lengths <= 0):
       raise ValueError(f"data.path: {path / (split + '.idx')} is not a sorted list of document "
                        f"starts from 0 to {n_tokens}")
@@ -194,6 +217,64 @@ class Prepared:
   @property
   def n_tokens(self) -> int:
     return int(self.starts[-1])
+
+  @property
+  def n_images(self) -> int:
+    return 0 if self.pixels is None else len(self.pixels)
+
+  def images(self, doc: int) -> np.ndarray:
+    """The images of document `doc` as stored: [n, H, W, C] uint8 (n = 0 without images)."""
+    if self.pixels is None:
+      return np.zeros((0, 1, 1, 3), np.uint8)
+    return np.asarray(self.pixels[self.image_starts[doc]:self.image_starts[doc + 1]])
+
+  def check_images(self, vision: VisionConfig | None, mode: str) -> None:
+    """Refuses, in one line, images that model.vision cannot take, and packed rows of them."""
+    if not self.n_images:
+      return
+    where, info = self.path, self.image_info
+    if mode == "packed":
+      raise ValueError(f"data.mode: packed rows cut documents anywhere, and {where} holds images "
+                       "(each must come whole with its tokens); set data.mode=padded")
+    if vision is None:
+      raise ValueError(f"data.path: {where} holds images, and the model has no vision tower "
+                       "(model.vision): train a vision-language model on it (model.from_hf)")
+    made = f"{where} was prepared by the processor of {info.get('processor')}"
+    size = (int(info["height"]), int(info["width"]))
+    if size != (vision.image_size, vision.image_size) or int(info["channels"]) != vision.channels:
+      raise ValueError(f"data.path: {made} for {size[0]}x{size[1]} images, the model's tower takes "
+                       f"{vision.image_size}x{vision.image_size} (model.vision.image_size); "
+                       "prepare it again with the model's processor")
+    if (int(info["image_token_id"]), int(info["tokens_per_image"])) != (
+        vision.image_token_id, vision.image_tokens):
+      raise ValueError(f"data.path: {made}: {info['tokens_per_image']} tokens of id "
+                       f"{info['image_token_id']} per image, the model takes "
+                       f"{vision.image_tokens} of id {vision.image_token_id} "
+                       "(model.vision.image_token_id); prepare it again with the model's processor")
+
+  def batch_images(self, docs: list, vision: VisionConfig) -> np.ndarray:
+    """The images of one document per row ([B, M, C, H, W] float32, normalised as the processor
+    does; a row's unused slots and a row without a document (None) are zeros)."""
+    from mtjax.data.images import normalize
+
+    B, M = len(docs), vision.max_images
+    out = np.zeros((B, M, vision.channels, vision.image_size, vision.image_size), np.float32)
+    for b, d in enumerate(docs):
+      if d is None:
+        continue
+      px = self.images(d)
+      if len(px) > M:
+        raise ValueError(f"data.path: document {d} of {self.path} holds {len(px)} images, more "
+                         f"than model.vision.max_images ({M})")
+      if len(px):
+        out[b, :len(px)] = normalize(px, self.image_info)
+    return out
+
+  def most_images(self, docs: np.ndarray) -> int:
+    """The most images one of `docs` holds."""
+    if self.image_starts is None or not len(docs):
+      return 0
+    return int(np.max(self.image_starts[docs + 1] - self.image_starts[docs]))
 
   def piece(self, doc: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray | None]:
     """Tokens [lo, hi) of document `doc` and their loss mask (None: every token counts)."""
@@ -334,9 +415,12 @@ class PreparedSource:
   that window, such as an SFT prompt longer than a row, are left out).
   """
 
-  def __init__(self, data: Prepared, mode: str, batch: int, seq: int, seed: int, vocab: int):
+  def __init__(self, data: Prepared, mode: str, batch: int, seq: int, seed: int, vocab: int,
+               vision: VisionConfig | None = None):
     self.data, self.mode, self.shape, self.seed = data, mode, (batch, seq), seed
     self.model_vocab = vocab
+    data.check_images(vision, mode)
+    self.vision = vision if data.n_images else None  # rows carry images
     if mode == "packed":
       self.per_epoch = (data.n_tokens - 1) // seq
       if self.per_epoch < 1:
@@ -346,6 +430,8 @@ class PreparedSource:
     else:
       self.docs = _with_targets(data, seq)
       self.per_epoch = len(self.docs)
+      if self.vision is not None:
+        _check_max_images(data, self.docs, self.vision)
     self._epochs: collections.OrderedDict = collections.OrderedDict()
 
   def _epoch(self, e: int) -> tuple[np.ndarray, np.ndarray]:
@@ -357,19 +443,28 @@ class PreparedSource:
         self._epochs.popitem(last=False)
     return self._epochs[e]
 
+  def _doc(self, g: int) -> int:
+    """The document of padded row `g`."""
+    e, i = divmod(g, self.per_epoch)
+    return int(self._epoch(e)[0][i])
+
   def _pieces(self, g: int) -> list:
     e, i = divmod(g, self.per_epoch)
     order, ends = self._epoch(e)
     seq = self.shape[1]
     if self.mode == "padded":
-      d = int(order[i])
+      d = self._doc(g)
       return [self.data.piece(d, 0, min(int(self.data.lengths[d]), seq + 1))]
     return _cut(self.data, order, ends, i * seq, i * seq + seq + 1)
 
   def batch(self, step: int) -> Batch:
     B, T = self.shape
     rows = [_row(self._pieces(step * B + b), T, self.data.pad_id) for b in range(B)]
-    return _stack(rows, self.model_vocab, str(self.data.path))
+    out = _stack(rows, self.model_vocab, str(self.data.path))
+    if self.vision is None:
+      return out
+    docs = [self._doc(step * B + b) for b in range(B)]
+    return dataclasses.replace(out, images=self.data.batch_images(docs, self.vision))
 
   def epoch(self, step: int) -> int:
     """The epoch `step`'s batch ends in, 0 first: epoch e begins at the first step with
@@ -404,6 +499,14 @@ def _with_targets(data: Prepared, seq: int) -> np.ndarray:
   return np.flatnonzero(keep)
 
 
+def _check_max_images(data: Prepared, docs: np.ndarray, vision: VisionConfig) -> None:
+  most = data.most_images(docs)
+  if most > vision.max_images:
+    raise ValueError(f"data.path: a document of {data.path} holds {most} images, more than "
+                     f"model.vision.max_images ({vision.max_images}); set "
+                     f"model.vision.max_images={most}")
+
+
 def _cut(data: Prepared, order: np.ndarray, ends: np.ndarray, a: int, b: int) -> list:
   """The pieces of the documents (in `order`, ending at stream offsets `ends`) covering [a, b)."""
   pieces = []
@@ -418,7 +521,8 @@ def _cut(data: Prepared, order: np.ndarray, ends: np.ndarray, a: int, b: int) ->
   return pieces
 
 
-def source(cfg: DataConfig, batch: int, seq: int, vocab: int, seed: int):
+def source(cfg: DataConfig, batch: int, seq: int, vocab: int, seed: int,
+           vision: VisionConfig | None = None):
   """The configured data as an object with batch(step) -> Batch, position(step) -> dict (where the
   step begins, saved with a checkpoint) and epoch(step) -> int (the pass over the data the step
   ends in, 0 first), each a pure function of the step.
@@ -429,6 +533,7 @@ def source(cfg: DataConfig, batch: int, seq: int, vocab: int, seed: int):
     seq: tokens per row (train.seq).
     vocab: model.vocab_size; every token id must be below it.
     seed: seeds the order of the data (train.seed).
+    vision: model.vision: the rows of prepared data with images carry them (Batch.images).
 
   Returns:
     The source; checks files and sizes when built, before any batch.
@@ -436,13 +541,15 @@ def source(cfg: DataConfig, batch: int, seq: int, vocab: int, seed: int):
   if cfg.source == "tokens":
     return _TokenWindows(cfg, batch, seq, vocab, seed)
   if cfg.source == "prepared":
-    return PreparedSource(Prepared(cfg.path, cfg.split, vocab), cfg.mode, batch, seq, seed, vocab)
+    return PreparedSource(Prepared(cfg.path, cfg.split, vocab), cfg.mode, batch, seq, seed, vocab,
+                          vision)
   return Synthetic(batch, seq, vocab, seed)
 
 
-def batches(cfg: DataConfig, batch: int, seq: int, vocab: int, seed: int, start_step: int = 0):
+def batches(cfg: DataConfig, batch: int, seq: int, vocab: int, seed: int, start_step: int = 0,
+            vision: VisionConfig | None = None):
   """Yields the batch of each step from `start_step` on; a step always gives the same batch."""
-  src = source(cfg, batch, seq, vocab, seed)
+  src = source(cfg, batch, seq, vocab, seed, vision)
   step = start_step
   while True:
     yield src.batch(step)
@@ -454,8 +561,8 @@ def position(cfg: DataConfig, batch: int, seq: int, vocab: int, seed: int, step:
   return source(cfg, batch, seq, vocab, seed).position(step)
 
 
-def validation_batches(cfg: DataConfig, batch: int, seq: int, vocab: int, split: str = "val"
-                       ) -> Iterator[Batch]:
+def validation_batches(cfg: DataConfig, batch: int, seq: int, vocab: int, split: str = "val",
+                       vision: VisionConfig | None = None) -> Iterator[Batch]:
   """One deterministic pass over a prepared split for held-out loss, in stored order, no shuffle.
 
   packed: the split's documents concatenated and cut into rows of seq + 1 that overlap by one token
@@ -470,6 +577,7 @@ def validation_batches(cfg: DataConfig, batch: int, seq: int, vocab: int, split:
     seq: tokens per row.
     vocab: model.vocab_size.
     split: the split to evaluate.
+    vision: model.vision: rows with images carry them (Batch.images).
 
   Returns:
     A finite iterator of Batch.
@@ -477,7 +585,10 @@ def validation_batches(cfg: DataConfig, batch: int, seq: int, vocab: int, split:
   if cfg.source != "prepared":
     raise ValueError(f"data.source: held-out batches need 'prepared' data, not {cfg.source!r}")
   data = Prepared(cfg.path, split, vocab)
+  data.check_images(vision, cfg.mode)
+  with_images = vision is not None and data.n_images > 0
   order = np.arange(data.n_docs)
+  docs = None
   if cfg.mode == "packed":
     ends = np.cumsum(data.lengths)
     n_rows = -(-(data.n_tokens - 1) // seq)
@@ -486,10 +597,16 @@ def validation_batches(cfg: DataConfig, batch: int, seq: int, vocab: int, split:
     docs = _with_targets(data, seq)
     n_rows = len(docs)
     row = lambda r: [data.piece(int(docs[r]), 0, min(int(data.lengths[docs[r]]), seq + 1))]
+    if with_images:
+      _check_max_images(data, docs, vision)
 
   def gen():
     for r0 in range(0, n_rows, batch):
       rows = [_row(row(r) if r < n_rows else [], seq, data.pad_id) for r in range(r0, r0 + batch)]
-      yield _stack(rows, vocab, str(data.path))
+      out = _stack(rows, vocab, str(data.path))
+      if with_images:
+        held = [int(docs[r]) if r < n_rows else None for r in range(r0, r0 + batch)]
+        out = dataclasses.replace(out, images=data.batch_images(held, vision))
+      yield out
 
   return gen()

@@ -6,6 +6,9 @@ chat template) into a prepared directory read by mtjax.data.sources:
                                   (chat: 1 on the tokens the loss counts)
   {split}.chosen.* / .rejected.*  preference data instead: the same three files for each side
   {split}.prefix                  ... and uint64 per pair: the length of the prompt both share
+  {split}.pixels / .images        chats with images: uint8 [N, H, W, 3] images at the processor's
+                                  size, not normalised; uint64 image starts per document plus the
+                                  end (meta.json "images" holds the size and the normalisation)
   meta.json                       dtype, vocab, ids, the tokenizer's fingerprint, splits, a crc32c
                                   of every file, the stats
   stats.json                      per source: rows, documents and tokens per split, skipped rows
@@ -39,7 +42,7 @@ import numpy as np
 
 from mtjax.data import chat, formats, readers
 from mtjax.data.fingerprint import tokenizer_fingerprint
-from mtjax.data.formats import FORMATS, Mapping, Pair
+from mtjax.data.formats import FORMATS, ImageChat, Mapping, Pair
 from mtjax.data.readers import BadFile, BadRow
 from mtjax.data.sources import SPLITS, Prepared, checksum, read_pairs
 
@@ -81,6 +84,7 @@ class Request:
   eos: str | None = None  # EOS token after each document; None: tokenizer_config.json's
   strict: bool = False  # a bad row or file is an error instead of being counted and skipped
   allow_low_disk: bool = False  # start even when --out's free space is below output_estimate
+  processor: str | Path | None = None  # the model's processor folder (images); None: the tokenizer's
 
   def __post_init__(self):
     opts = self.options
@@ -135,6 +139,7 @@ class Stats:
     self.name, self.rows, self.format = name, 0, None
     self.documents = {s: 0 for s in SPLITS}
     self.tokens = {s: 0 for s in SPLITS}
+    self.images = {s: 0 for s in SPLITS}
     self.skipped: dict = {}
     self.truncated = 0
 
@@ -146,7 +151,8 @@ class Stats:
 
   def as_dict(self) -> dict:
     return {"input": self.name, "format": self.format, "rows": self.rows,
-            "documents": self.documents, "tokens": self.tokens, "skipped": self.skipped,
+            "documents": self.documents, "tokens": self.tokens, "images": self.images,
+            "skipped": self.skipped,
             "truncated": self.truncated}
 
 
@@ -155,12 +161,17 @@ class Stats:
 _WORKER: dict = {}
 
 
-def _init_worker(tokenizer_path: str, eos_id: int, with_template: bool, last_turn_only: bool):
+def _init_worker(tokenizer_path: str, eos_id: int, with_template: bool, last_turn_only: bool,
+                 processor: str | None = None):
   from tokenizers import Tokenizer
 
   template = chat.ChatTemplate.from_tokenizer(tokenizer_path) if with_template else None
-  _WORKER.update(tok=Tokenizer.from_file(tokenizer_path), eos=eos_id, template=template,
-                 last=last_turn_only)
+  tok = Tokenizer.from_file(tokenizer_path)
+  images = None
+  if processor is not None:
+    from mtjax.data.images import ImageProcessor
+    images = ImageProcessor.from_dir(processor)
+  _WORKER.update(tok=tok, eos=eos_id, template=template, last=last_turn_only, images=images)
 
 
 @contextlib.contextmanager
@@ -194,13 +205,49 @@ def _end_with_eos(tok, eos: int, ids: np.ndarray, mask: np.ndarray):
 
 def _encode_conversation(msgs: list, last: bool):
   tok, eos, template = _WORKER["tok"], _WORKER["eos"], _WORKER["template"]
+  if _WORKER["images"] is not None:  # a processor's template takes every content as parts
+    return _encode_images(ImageChat(chat.as_parts(msgs), ()), last)[:2]
   ids, mask = chat.encode_chat(tok, template, msgs, last_turn_only=last)
   return _end_with_eos(tok, eos, ids, mask)
 
 
+class _BadImage(ValueError):
+  """An image of a row that is missing or cannot be read (its reason groups it)."""
+
+  def __init__(self, reason: str, message: str):
+    super().__init__(message)
+    self.reason = reason
+
+
+def _encode_images(doc: ImageChat, last: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+  """A conversation with images: ids with each image's tokens in place of its placeholder, the
+  loss mask (never on an image token) and the images as stored, [n, H, W, 3] uint8 (None: none;
+  a placeholder without an image is an error)."""
+  from mtjax.data.images import load_image
+
+  tok, eos, template, proc = (_WORKER[k] for k in ("tok", "eos", "template", "images"))
+  pixels = []
+  for source in doc.images:
+    try:
+      pixels.append(proc.uint8(load_image(source, doc.base)))
+    except ValueError as e:
+      raise _BadImage("missing image" if "no such file" in str(e) else "unreadable image",
+                      str(e)) from None
+  ids, mask = chat.encode_chat(tok, template, doc.messages, last_turn_only=last,
+                               expand=lambda text, spans: proc.expand(text, spans, len(pixels)))
+  marked = ids == tok.token_to_id(proc.tokens.marked)
+  per_image = proc.stored()["tokens_per_image"]
+  if int(marked.sum()) != per_image * len(pixels):
+    raise ValueError(f"{int(marked.sum())} {proc.tokens.marked} tokens after tokenizing, "
+                     f"{per_image * len(pixels)} expected")
+  mask[marked] = 0  # an image token is never a target
+  ids, mask = _end_with_eos(tok, eos, ids, mask)
+  return ids, mask, np.stack(pixels) if pixels else None
+
+
 def _encode_chunk(chunk: list[tuple[str, object]]) -> list[tuple]:
-  """Each document of the chunk as ("doc", ids, mask or None), ("pair", chosen ids, mask,
-  rejected ids, mask, prefix) or ("bad", reason, message)."""
+  """Each document of the chunk as ("doc", ids, mask or None, images or None), ("pair", chosen
+  ids, mask, rejected ids, mask, prefix) or ("bad", reason, message)."""
   tok, eos = _WORKER["tok"], _WORKER["eos"]
   out: list = [None] * len(chunk)
   texts = [(k, d) for k, (_, d) in enumerate(chunk) if isinstance(d, str)]
@@ -208,7 +255,7 @@ def _encode_chunk(chunk: list[tuple[str, object]]) -> list[tuple]:
   # one (a Llama BOS). EOS separates documents, once, also where the post-processor adds it.
   for (k, _), enc in zip(texts, tok.encode_batch([d for _, d in texts], add_special_tokens=True)):
     ids = enc.ids if enc.ids and enc.ids[-1] == eos else enc.ids + [eos]
-    out[k] = ("doc", np.asarray(ids, np.int64), None)
+    out[k] = ("doc", np.asarray(ids, np.int64), None, None)
   for k, (where, doc) in enumerate(chunk):
     if isinstance(doc, str):
       continue
@@ -223,8 +270,12 @@ def _encode_chunk(chunk: list[tuple[str, object]]) -> list[tuple]:
                     "the chosen and the rejected answer")
           continue
         out[k] = ("pair", c, cm, r, rm, prefix)
+      elif isinstance(doc, ImageChat):
+        out[k] = ("doc", *_encode_images(doc, _WORKER["last"]))
       else:
-        out[k] = ("doc", *_encode_conversation(doc, _WORKER["last"]))
+        out[k] = ("doc", *_encode_conversation(doc, _WORKER["last"]), None)
+    except _BadImage as e:
+      out[k] = ("bad", e.reason, f"{where}: {e}")
     except ValueError as e:  # the template fails on this conversation, or marks nothing
       out[k] = ("bad", "template error", f"{where}: {e}")
   return out
@@ -327,47 +378,64 @@ def _chunks(items, size: int):
 # ---- writing ---------------------------------------------------------------------------------
 
 class _Docs:
-  """Appends documents to DIR/NAME.bin, .idx (written at close) and .mask."""
+  """Appends documents to DIR/NAME.bin, .idx (written at close) and .mask; with images, each
+  document's images to .pixels and their starts to .images (written at close)."""
 
-  def __init__(self, directory: Path, name: str, dtype: np.dtype, has_mask: bool):
+  def __init__(self, directory: Path, name: str, dtype: np.dtype, has_mask: bool,
+               has_images: bool = False):
     self.paths = {"bin": directory / f"{name}.bin", "idx": directory / f"{name}.idx"}
     if has_mask:
       self.paths["mask"] = directory / f"{name}.mask"
+    if has_images:
+      self.paths["pixels"] = directory / f"{name}.pixels"
+      self.paths["images"] = directory / f"{name}.images"
     self.dtype = dtype
     self.starts = array.array("q", [0])
+    self.image_starts = array.array("q", [0])
     self.files = {}
-    for ext in ("bin", "mask"):
+    for ext in ("bin", "mask", "pixels"):
       if ext in self.paths:
         self.files[ext] = open(self.paths[ext], "wb")
 
-  def add(self, ids: np.ndarray, mask: np.ndarray | None):
+  def add(self, ids: np.ndarray, mask: np.ndarray | None, images: np.ndarray | None = None):
     # write(), not ndarray.tofile: tofile loses a failed write of a small array (a full disk)
     self.files["bin"].write(ids.astype(self.dtype).tobytes())
     if "mask" in self.files:
       self.files["mask"].write((np.ones(len(ids), np.uint8) if mask is None
                                 else mask.astype(np.uint8)).tobytes())
     self.starts.append(self.starts[-1] + len(ids))
+    if "pixels" in self.files:
+      n = 0 if images is None else len(images)
+      if n:
+        self.files["pixels"].write(np.ascontiguousarray(images, np.uint8).tobytes())
+      self.image_starts.append(self.image_starts[-1] + n)
 
   def close(self):
     for fh in self.files.values():
       fh.close()  # flushes: where a full disk shows
     self.paths["idx"].write_bytes(np.frombuffer(self.starts, np.int64).astype(np.uint64).tobytes())
+    if "images" in self.paths:
+      self.paths["images"].write_bytes(np.frombuffer(self.image_starts, np.int64)
+                                       .astype(np.uint64).tobytes())
 
 
 class _Split:
   """One split being written: its document files (one set, or chosen and rejected), each
   document's repeat count and source, and for pairs the prompt length."""
 
-  def __init__(self, directory: Path, name: str, dtype: np.dtype, has_mask: bool, pairs: bool):
+  def __init__(self, directory: Path, name: str, dtype: np.dtype, has_mask: bool, pairs: bool,
+               image_bytes: int = 0):
     sides = ("chosen", "rejected") if pairs else ("",)
-    self.sides = {s: _Docs(directory, f"{name}.{s}" if s else name, dtype, has_mask)
-                  for s in sides}
+    self.sides = {s: _Docs(directory, f"{name}.{s}" if s else name, dtype, has_mask,
+                           image_bytes > 0) for s in sides}
+    self.image_bytes = image_bytes  # of one stored image; 0: no images
     self.repeats, self.sources, self.prefix = (array.array("q"), array.array("q"),
                                                array.array("q"))
 
-  def add(self, pieces: list, repeats: int, source: int, prefix: int | None):
+  def add(self, pieces: list, repeats: int, source: int, prefix: int | None,
+          images: np.ndarray | None = None):
     for docs, (ids, mask) in zip(self.sides.values(), pieces):
-      docs.add(ids, mask)
+      docs.add(ids, mask) if images is None else docs.add(ids, mask, images)
     self.repeats.append(repeats)
     self.sources.append(source)
     if prefix is not None:
@@ -383,19 +451,26 @@ def _shuffled(directory: Path, raw: _Split, name: str, order: np.ndarray, pairs:
   for side, docs in raw.sides.items():
     stem = f"{name}.{side}" if side else name
     starts = np.frombuffer(docs.starts, np.int64)
+    image_starts = np.frombuffer(docs.image_starts, np.int64) * raw.image_bytes
     lengths = np.diff(starts)
     src = {ext: np.memmap(p, dtype=docs.dtype if ext == "bin" else np.uint8, mode="r")
-           for ext, p in docs.paths.items() if ext != "idx" and p.stat().st_size}
-    for ext in ("bin", "mask"):
+           for ext, p in docs.paths.items() if ext in ("bin", "mask", "pixels")
+           and p.stat().st_size}
+    for ext in ("bin", "mask", "pixels"):
       if ext not in docs.paths:
         continue
+      at = image_starts if ext == "pixels" else starts
       with open(directory / f"{stem}.{ext}", "wb") as f:
         for lo in range(0, len(order), 4096):  # a few thousand documents per write
           part = order[lo:lo + 4096]
           if len(part) and ext in src:
-            f.write(np.concatenate([src[ext][starts[d]:starts[d + 1]] for d in part]).tobytes())
+            f.write(np.concatenate([src[ext][at[d]:at[d + 1]] for d in part]).tobytes())
     new_starts = np.concatenate([[0], np.cumsum(lengths[order])]).astype(np.uint64)
     (directory / f"{stem}.idx").write_bytes(new_starts.tobytes())
+    if "images" in docs.paths:
+      counts = np.diff(np.frombuffer(docs.image_starts, np.int64))[order]
+      (directory / f"{stem}.images").write_bytes(
+          np.concatenate([[0], np.cumsum(counts)]).astype(np.uint64).tobytes())
     del src
     for p in docs.paths.values():
       p.unlink()
@@ -414,10 +489,49 @@ class Vocabulary:
   eos_id: int  # appended to each document
   pad_id: int  # the pad token's id, else eos_id
   fingerprint: str  # tokenizer_fingerprint(file), which train compares with the model's
+  processor: Path | None = None  # the model's processor folder, whose images rows may hold
+  images: dict | None = None  # ImageProcessor.stored() with the image token's id (meta.json's)
+  no_images: str | None = None  # why rows with images cannot be prepared (None: they can)
 
   @property
   def dtype(self) -> np.dtype:
     return np.dtype(np.uint16 if self.size <= 65536 else np.uint32)
+
+  @property
+  def image_bytes(self) -> int:
+    """Bytes of one stored image; 0 without a processor."""
+    i = self.images
+    return 0 if i is None else i["height"] * i["width"] * i["channels"]
+
+
+_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+def load_processor(req: Request, tok) -> tuple[Path | None, dict | None, str | None]:
+  """(folder, stored record, None) of --processor, or of the tokenizer's folder where it holds a
+  processor's files; (None, None, why) where rows with images cannot be prepared. An explicit
+  --processor that cannot store its images is an error at once."""
+  from mtjax.data.images import ImageProcessor
+
+  given = req.processor is not None
+  folder = Path(req.processor) if given else chat.tokenizer_files(req.tokenizer)[0].parent
+  if not any((folder / f).is_file() for f in _PROCESSOR_FILES):
+    if given:
+      raise ValueError(f"--processor: {folder} holds no {' or '.join(_PROCESSOR_FILES)}")
+    return None, None, (f"rows with images need the model's image processor: {folder} holds no "
+                        f"{_PROCESSOR_FILES[0]}; pass --processor MODEL_DIR")
+  try:
+    proc = ImageProcessor.from_dir(folder)
+    stored = proc.stored()
+  except ValueError as e:
+    if given:
+      raise ValueError(f"--processor: {e}") from None
+    return None, None, f"{e} (the processor of {folder})"
+  image_id = tok.token_to_id(stored["image_token"])
+  if image_id is None:
+    raise ValueError(f"--processor: the tokenizer has no {stored['image_token']} token, which "
+                     f"{folder}'s processor expands each image to")
+  return folder, {**stored, "image_token_id": image_id}, None
 
 
 def load_vocabulary(req: Request) -> Vocabulary:
@@ -442,7 +556,8 @@ def load_vocabulary(req: Request) -> Vocabulary:
   if req.fmt not in ("text", "jsonl", "auto"):  # no template, or a broken one: an error now
     chat.ChatTemplate.from_tokenizer(tok_file)
   return Vocabulary(tok_file, tok.get_vocab_size(with_added_tokens=True), eos_id,
-                    eos_id if pad_id is None else pad_id, tokenizer_fingerprint(tok_file))
+                    eos_id if pad_id is None else pad_id, tokenizer_fingerprint(tok_file),
+                    *load_processor(req, tok))
 
 
 # ---- stage 2: the sources: files, formats, rows -----------------------------------------------
@@ -582,9 +697,10 @@ def plan_splits(req: Request, vocab: Vocabulary, sources: list[_Source]) -> Plan
   return plan
 
 
-def _rows(sources, mapping: Mapping, strict: bool):
+def _rows(sources, mapping: Mapping, strict: bool, no_images: str | None = None):
   """Yields (where, document, split, repeats, source) for every used row of every source; bad rows
-  and unreadable files are counted in the stats (or raised with `strict`)."""
+  and unreadable files are counted in the stats (or raised with `strict`). A row with images is
+  an error where they cannot be prepared (`no_images` says why)."""
   for i, s in enumerate(sources):
     base = 0
     for f, n in s.files:
@@ -609,6 +725,10 @@ def _rows(sources, mapping: Mapping, strict: bool):
           except BadRow as e:
             s.stats.skip(e.reason, str(e), strict)
             continue
+          if isinstance(doc, ImageChat):
+            if no_images:
+              raise ValueError(f"{where}: {no_images}")
+            doc = dataclasses.replace(doc, base=str(f.parent))
           yield where, doc, split, int(s.repeats[k]), i
       except BadFile as e:  # past the rows already read: the rest of the file is skipped
         s.stats.skip("unreadable file", str(e), strict, n=max(0, base + n - j))
@@ -699,6 +819,23 @@ def _examples(result: tuple, where: str, req: Request, plan: Plan, stats: Stats)
   return fitted
 
 
+def _whole_images(ids: np.ndarray, mask: np.ndarray, images: np.ndarray | None,
+                  vocab: Vocabulary, where: str, strict: bool, stats: Stats):
+  """The images whose tokens a (maybe truncated) document still holds; False (counted as skipped)
+  where --max-len cut through an image's tokens."""
+  if images is None:
+    return None
+  info = vocab.images
+  mask[ids == info["image_token_id"]] = 0  # --train-on-prompt too: never an image token
+  held = int(np.sum(ids == info["image_token_id"]))
+  whole, part = divmod(held, info["tokens_per_image"])
+  if part:
+    stats.skip("image cut by --max-len", f"{where}: --max-len cuts through image {whole + 1}'s "
+               "tokens", strict)
+    return False
+  return images[:whole]
+
+
 def tokenize_into(tmp: Path, req: Request, vocab: Vocabulary, plan: Plan, progress: bool
                   ) -> dict[str, _Split]:
   """Tokenizes every used row into `tmp` in the sources' order (a mixture's training split as
@@ -706,9 +843,11 @@ def tokenize_into(tmp: Path, req: Request, vocab: Vocabulary, plan: Plan, progre
   from tqdm import tqdm
 
   splits = {s: _Split(tmp, f"{s}.raw" if s == "train" and plan.mixture else s, vocab.dtype,
-                      plan.has_mask, plan.pairs) for s in SPLITS}
-  init = (str(vocab.file), vocab.eos_id, plan.has_mask, req.options.last_turn_only)
-  rows = _chunks(_rows(plan.sources, req.mapping, req.strict), _CHUNK)
+                      plan.has_mask, plan.pairs, 0 if plan.pairs else vocab.image_bytes)
+            for s in SPLITS}
+  init = (str(vocab.file), vocab.eos_id, plan.has_mask, req.options.last_turn_only,
+          None if vocab.processor is None or plan.pairs else str(vocab.processor))
+  rows = _chunks(_rows(plan.sources, req.mapping, req.strict, vocab.no_images), _CHUNK)
   try:
     with (_encoder(req.workers, init) as encode,
           tqdm(total=plan.rows, unit="doc", disable=not progress, desc="tokenizing") as bar):
@@ -718,8 +857,13 @@ def tokenize_into(tmp: Path, req: Request, vocab: Vocabulary, plan: Plan, progre
           fitted = _examples(result, where, req, plan, stats)
           if fitted is None:
             continue
+          images = None if plan.pairs else _whole_images(*fitted[0], result[3], vocab, where,
+                                                         req.strict, stats)
+          if images is False:
+            continue
           n = repeats if split == "train" else 1  # held-out rows are never repeated
-          splits[split].add(fitted, n, i, result[5] if plan.pairs else None)
+          splits[split].add(fitted, n, i, result[5] if plan.pairs else None, images)
+          stats.images[split] += 0 if images is None else len(images) * n
           stats.documents[split] += n
           stats.tokens[split] += len(fitted[0][0]) * n
         bar.update(len(chunk))
@@ -748,6 +892,8 @@ def _meta(req: Request, vocab: Vocabulary, plan: Plan) -> dict:
   }
   if plan.mask_method:
     meta["mask_method"] = plan.mask_method
+  if vocab.images is not None and not plan.pairs:
+    meta["images"] = {**vocab.images, "processor": str(vocab.processor)}
   return meta
 
 
@@ -767,6 +913,9 @@ def finish(tmp: Path, req: Request, vocab: Vocabulary, plan: Plan, splits: dict[
   sources = plan.sources
   counts = {s: {"documents": sum(x.stats.documents[s] for x in sources),
                 "tokens": sum(x.stats.tokens[s] for x in sources)} for s in SPLITS}
+  if vocab.images is not None and not plan.pairs:
+    for s in SPLITS:
+      counts[s]["images"] = sum(x.stats.images[s] for x in sources)
   if plan.pairs:  # each side's token count, which read_pairs checks the files against
     for name in SPLITS:
       counts[name]["sides"] = {side: (tmp / f"{name}.{side}.bin").stat().st_size
@@ -904,7 +1053,9 @@ def summary(meta: dict) -> list[str]:
     d, t = s["documents"], s["tokens"]
     lines.append(f"{s['input']} ({s['format']}): {s['rows']} rows -> train {d['train']} documents "
                  f"/ {t['train']} tokens, val {d['val']} / {t['val']}"
-                 + (f", {s['truncated']} truncated" if s["truncated"] else ""))
+                 + (f", {s['truncated']} truncated" if s["truncated"] else "")
+                 + (f", images train {s['images']['train']} / val {s['images']['val']}"
+                    if any(s.get("images", {}).values()) else ""))
     for reason, e in s["skipped"].items():
       lines.append(f"  skipped {e['count']} ({reason}); first: {e['first']}")
   return lines
