@@ -1,7 +1,7 @@
 """The README's command blocks, run as written on tiny fixtures, so the README cannot drift from
 the code: every ```bash block's commands (the pip install and the test command itself excepted)
 and the ```python block, with the placeholders (MODEL, DATA, CK, OUT, ...) and the data files it
-names (alpaca.json, chats.parquet, prefs.jsonl) made here at toy size.
+names (alpaca.json, chats.parquet, prefs.jsonl, image_chats.jsonl) made here at toy size.
 
 Train commands get size overrides appended (the shipped configs are sized for a GPU); nothing else
 of a command is changed.
@@ -73,21 +73,56 @@ def data_files(work: Path):
                           "rejected": str(2 * i + 1)}) + "\n")
 
 
+def tiny_llava(directory: Path, work: Path):
+  """A transformers LLaVA of a tiny shape with its processor's files (test_data_images' CLIP
+  processor and content-part template) and `image_chats.jsonl` of a few one-image chats."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  from PIL import Image
+  from tokenizers import Tokenizer
+  import test_data_images as di
+  from test_chat import SPECIALS
+  make_tokenizer(directory, template=di.TEMPLATE, specials=SPECIALS + ["<image>"])
+  di.write_processor(directory)
+  tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+  torch.manual_seed(0)
+  c = transformers.LlavaConfig(
+      vision_config=transformers.CLIPVisionConfig(
+          hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+          image_size=di.SIDE, patch_size=di.PATCH, projection_dim=16),
+      text_config=transformers.LlamaConfig(
+          vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
+          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+      image_token_id=tok.token_to_id("<image>"))
+  transformers.LlavaForConditionalGeneration(c).save_pretrained(directory)
+  rng = np.random.default_rng(0)
+  (work / "imgs").mkdir()
+  with open(work / "image_chats.jsonl", "w") as f:
+    for i in range(12):
+      Image.fromarray(rng.integers(0, 256, (30 + i, 40, 3), np.uint8)).save(
+          work / "imgs" / f"{i}.png")
+      f.write(json.dumps({"messages": [
+          {"role": "user", "content": [{"type": "image", "image": f"imgs/{i}.png"},
+                                       {"type": "text", "text": "What is this?"}]},
+          {"role": "assistant", "content": f"Picture {i}."}]}) + "\n")
+
+
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
   w = tmp_path_factory.mktemp("readme")
   tiny_model(w / "MODEL")
   data_files(w)
+  tiny_llava(w / "LLAVA", w)
   return w
 
 
 def substitute(command: str, work: Path) -> list[str]:
   """The command's words with the README's placeholders as paths under `work`."""
-  names = r"\b(MODEL|DATA|CK|OUT2|OUT_DPO|OUT|PREFS)\b"
+  names = r"\b(MODEL|DATA|CK|OUT2|OUT_DPO|OUT|PREFS|LLAVA|VDATA|VOUT)\b"
   words = []
   for word in shlex.split(command):
     word = re.sub(names, lambda m: str(work / m.group(1)), word)
-    for f in ("alpaca.json", "chats.parquet", "prefs.jsonl"):
+    for f in ("alpaca.json", "chats.parquet", "prefs.jsonl", "image_chats.jsonl"):
       word = str(work / f) if word == f else word
     words.append(word)
   return words
@@ -116,6 +151,8 @@ def test_readme_bash_blocks_run_as_written(work):
   out = work / "OUT"
   assert (out / "config.json").is_file() and list(out.glob("*.safetensors"))
   assert (work / "OUT_DPO" / "config.json").is_file()
+  assert (work / "VOUT" / "processor_config.json").is_file()  # the image chats' fine-tune
+  assert json.loads((work / "VDATA" / "meta.json").read_text())["images"]
   transformers = pytest.importorskip("transformers")
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(work / "OUT2")
   assert reloaded.config.num_hidden_layers == 2
