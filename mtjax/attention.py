@@ -60,8 +60,8 @@ def blockwise_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxHv: 
     groups_BxT: with causal, integer group ids per position (needs T == S), numbered from 0 along
       each row, -1 for none: a query also sees the later keys of its own group (Gemma 3's image
       tokens, bidirectional among themselves); the window and documents still apply, as
-      transformers composes them (window AND (causal OR same group)). Key blocks only a group
-      reaches are visited, no others.
+      transformers composes them (window AND (causal OR same group)). Beside the causal key
+      blocks, a query block visits those its rows' groups reach, and no others.
 
   Returns:
     [B, T, N, Hv] in q's dtype. A query row that sees no key at all gets zeros.

@@ -367,6 +367,45 @@ def test_window_skips_key_blocks_outside_it(monkeypatch, T, window, bq, bk):
     assert (len(expected), len(causal_pairs)) == (31, 136)
 
 
+@pytest.mark.soak
+def test_groups_visit_the_key_blocks_they_reach_and_no_others(monkeypatch):
+  """With a group over positions 20..43 (8-wide blocks), the forward and the backward compute
+  exactly the block pairs that hold a visible (query, key) under causal OR same group: the
+  causal ones and those above the diagonal the group spans."""
+  T, bq = 64, 8
+  visits = {"forward": [], "backward": []}
+  phase = ["forward"]
+  scores = attention._Layout.scores
+
+  def counting_scores(self, q_blk, i, j):
+    record = visits[phase[0]].append
+    jax.debug.callback(lambda i, j: record((int(i), int(j))), i, j)
+    return scores(self, q_blk, i, j)
+
+  monkeypatch.setattr(attention._Layout, "scores", counting_scores)
+  q, k, v, ct = random_qkv(1, T, T, 2, 1, 8, jnp.float32, seed=T)
+  groups_T = np.full(T, -1, np.int32)
+  groups_T[20:44] = 0
+
+  def run(q, k, v, ct):
+    attn = lambda q, k, v: blockwise_attention(q, k, v, q_block=bq, kv_block=bq,
+                                               groups_BxT=jnp.asarray(groups_T[None]))
+    out, vjp = jax.vjp(attn, q, k, v)
+    phase[0] = "backward"
+    return out, vjp(ct)
+
+  jax.block_until_ready(jax.jit(run)(q, k, v, ct))
+  jax.effects_barrier()
+  i_Tx1, j_1xT = np.arange(T)[:, None], np.arange(T)[None, :]
+  visible_TxT = (j_1xT <= i_Tx1) | ((groups_T[:, None] == groups_T[None, :]) & (groups_T[:, None] >= 0))
+  n = T // bq
+  expected = sorted((a, b) for a in range(n) for b in range(n)
+                    if visible_TxT[a * bq:(a + 1) * bq, b * bq:(b + 1) * bq].any())
+  assert sorted(visits["forward"]) == expected
+  assert sorted(visits["backward"]) == expected
+  assert len(expected) == n * (n + 1) // 2 + 6  # blocks 2..5 meet: 6 pairs above the diagonal
+
+
 @pytest.mark.parametrize("T,S,causal", [(16, 40, True), (40, 16, False)])
 def test_cross_lengths_match_naive(T, S, causal):
   """T != S: causal is top-left aligned (query i sees keys j <= i), as is_causal=True."""

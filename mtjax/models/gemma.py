@@ -158,9 +158,10 @@ def _read_vl(config: dict, where: str) -> dict:
   vwhere = f"{where} vision_config"
   tower = llava.read_tower({**_SIGLIP, **vc}, vwhere, tower="siglip", projector="pool",
                            layers=Reader(vc, vwhere, _SIGLIP).positive("num_hidden_layers"))
-  side = tower["image_size"] // tower["patch"]
+  side, ragged = divmod(tower["image_size"], tower["patch"])
   tokens = r.positive("mm_tokens_per_image")
-  if tower["image_size"] % tower["patch"] or math.isqrt(tokens) ** 2 != tokens or side % math.isqrt(tokens):
+  pooled = math.isqrt(tokens)  # image tokens a side after the average pool
+  if ragged or pooled * pooled != tokens or side % pooled:
     r.refuse("mm_tokens_per_image", f"a square whose side divides the {side} patches a side")
   token = config.get("image_token_id", r.opt("image_token_index"))
   if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < fields["vocab_size"]:
