@@ -95,7 +95,7 @@ def torch_reference(directory, inputs, targets, pixels):
   loss.backward()
   grads = {k: (p.grad if p.grad is not None else torch.zeros_like(p)).numpy()
            for k, p in m.named_parameters()}
-  return m, logits.detach().numpy(), float(loss), parity.as_checkpoint(m, grads)
+  return m, logits.detach().numpy(), loss.item(), parity.as_checkpoint(m, grads)
 
 
 def two_images(cfg):
