@@ -126,12 +126,14 @@ class VisionConfig:
   projector_bias: bool = True  # mlp only: biases on its linears
   tokens_per_image: int | None = None  # pool only: image tokens after pooling (a square number); None: every patch
   image_token_id: int = 0  # the text token each image feature replaces
-  max_images: int = 1  # image slots per sequence (a static shape: rows with fewer images pad them)
+  max_images: int = 1  # image slots per sequence (a static shape: rows with fewer images pad them); 0: text-only batches, the tower computing nothing
   image_attention: Literal["causal", "bidirectional"] = "causal"  # how the decoder's image tokens attend: causally as text (LLaVA), or each image's whole run of tokens to each other (Gemma 3, as transformers computes it given token_type_ids)
 
   def __post_init__(self):
     _positive(self, "hidden", "layers", "heads", "ffn", "image_size", "patch", "channels",
-              "norm_eps", "max_images", section="model.vision.")
+              "norm_eps", section="model.vision.")
+    if self.max_images < 0:
+      raise ConfigError(f"model.vision.max_images: {self.max_images} must be >= 0")
     if self.hidden % self.heads:
       raise ConfigError(f"model.vision.heads: {self.heads} does not divide model.vision.hidden "
                         f"({self.hidden})")

@@ -148,7 +148,7 @@ def test_causal_image_attention_moves_the_logits(checkpoint):
   """With model.vision.image_attention causal the image tokens attend as text: the logits equal
   transformers' without token_type_ids (its causal mask), not those with them (its image
   blocks, which the bidirectional default equals); a text-only batch still runs, as transformers'
-  text-only forward."""
+  text-only forward, with image slots or with none."""
   cfg, params = mtjax.load_hf(checkpoint)
   cfg = two_images(cfg)
   inputs, _, pixels = rows()
@@ -160,11 +160,17 @@ def test_causal_image_attention_moves_the_logits(checkpoint):
     text_only = torch_logits(m, text).numpy()
   as_text = dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision,
                                                                 image_attention="causal"))
-  got_causal, got_text = jax.jit(lambda p: (
-      mtjax.forward(as_text, p, inputs, pixel_values=pixels), mtjax.forward(cfg, p, text)))(params)
+  # model.vision.max_images 0: text-only batches, the tower computing nothing
+  no_slots = dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, max_images=0))
+  got_causal, got_text, got_no_slots = jax.jit(lambda p: (
+      mtjax.forward(as_text, p, inputs, pixel_values=pixels), mtjax.forward(cfg, p, text),
+      mtjax.forward(no_slots, p, text)))(params)
   assert np.abs(blocks - causal).max() > 1e-2
   assert_close(np.asarray(got_causal), causal, name="causal logits")
   assert_close(np.asarray(got_text), text_only, name="text-only logits")
+  assert_close(np.asarray(got_no_slots), text_only, name="text-only logits without image slots")
+  with pytest.raises(ValueError, match="row 0: 8 image tokens; 0 image"):
+    mtjax.forward(no_slots, params, inputs)
 
 
 @pytest.mark.soak
