@@ -18,9 +18,12 @@ bidirectionally within each contiguous run (`model.vision.image_attention`; tran
 given token_type_ids). Its head is never soft-capped (transformers' Gemma3ForConditionalGeneration
 applies no `final_logit_softcapping`) and its tying is the top level's `tie_word_embeddings`.
 SigLIP's attention-pooling head (`vision_use_head`) is not in Gemma 3's computation: its tensors
-are tolerated, not read. Tensors are read in LLaVA's spellings (mtjax.models.llava.RENAMES):
-`vision_tower.*` (what transformers writes) or `vision_tower.vision_model.*` (the hub's files),
-and the `model.*` / `lm_head.weight` style.
+are tolerated, not read. The tower's post-norm (`vision_tower.post_layernorm`) runs in the
+projector's group, so `train.freeze: [vision]` leaves it training; freezing the projector holds it.
+A text-only run may set `model.vision.max_images: 0`: the tower then computes nothing (its
+weights still stream; frozen, they hold no optimizer state). Tensors are read in LLaVA's
+spellings (mtjax.models.llava.RENAMES): `vision_tower.*` (what transformers writes) or
+`vision_tower.vision_model.*` (the hub's files), and the `model.*` / `lm_head.weight` style.
 """
 
 from __future__ import annotations
