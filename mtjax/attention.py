@@ -8,8 +8,9 @@ Beside it, `dense_attention` computes the same semantics with a materialised [B,
 matrix and XLA's autodiff, for short sequences where one fused matmul beats a loop of blocks.
 
 Both take the variants that model families use: a causal sliding window (Mistral, Gemma 2/3,
-GPT-OSS), logit soft-capping (Gemma 2), attention sinks (GPT-OSS) and a value head width other than
-the query/key width (DeepSeek's multi-head latent attention).
+GPT-OSS), logit soft-capping (Gemma 2), attention sinks (GPT-OSS), a value head width other than
+the query/key width (DeepSeek's multi-head latent attention) and groups of positions that see each
+other whatever their order inside a causal model (Gemma 3's image tokens).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def blockwise_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxHv: 
                         q_block: int = 512, kv_block: int = 512,
                         scale: float | None = None, window: int | None = None,
                         softcap: float | None = None,
-                        sinks_N: jax.Array | None = None) -> jax.Array:
+                        sinks_N: jax.Array | None = None,
+                        groups_BxT: jax.Array | None = None) -> jax.Array:
   """Scaled dot-product attention computed block by block, as `jax.nn.dot_product_attention`.
 
   Args:
@@ -55,24 +57,31 @@ def blockwise_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxHv: 
     sinks_N: one logit per query head (attention sinks, as GPT-OSS): an extra softmax column that
       has no value, so each row's probabilities sum to less than one. Neither scaled nor capped;
       differentiable.
+    groups_BxT: with causal, integer group ids per position (needs T == S), numbered from 0 along
+      each row, -1 for none: a query also sees the later keys of its own group (Gemma 3's image
+      tokens, bidirectional among themselves); the window and documents still apply, as
+      transformers composes them (window AND (causal OR same group)). Beside the causal key
+      blocks, a query block visits those its rows' groups reach, and no others.
 
   Returns:
     [B, T, N, Hv] in q's dtype. A query row that sees no key at all gets zeros.
   """
   seg_q, seg_k, cfg = _settings(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, segments_q_BxT, segments_k_BxS,
-                                causal, scale, window, softcap, sinks_N)
+                                causal, scale, window, softcap, sinks_N, groups_BxT)
   if q_block < 1 or kv_block < 1:
     raise ValueError(f"block sizes must be positive, got {q_block}, {kv_block}")
   T, S = q_BxTxNxH.shape[1], k_BxSxKxH.shape[1]
   cfg = cfg._replace(bq=min(q_block, T), bk=min(kv_block, S))
-  return _attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, seg_q, seg_k, sinks_N, cfg)
+  groups = groups_BxT if cfg.causal else None  # without causal every key is seen already
+  return _attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, seg_q, seg_k, groups, sinks_N, cfg)
 
 
 def dense_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxHv: jax.Array, *,
                     segments_q_BxT: jax.Array | None = None,
                     segments_k_BxS: jax.Array | None = None, causal: bool = True,
                     scale: float | None = None, window: int | None = None,
-                    softcap: float | None = None, sinks_N: jax.Array | None = None) -> jax.Array:
+                    softcap: float | None = None, sinks_N: jax.Array | None = None,
+                    groups_BxT: jax.Array | None = None) -> jax.Array:
   """`blockwise_attention`'s semantics with materialised [B, N, T, S] fp32 scores.
 
   Plain jax.numpy, differentiated by XLA's autodiff: for short sequences and the CPU, where the
@@ -90,15 +99,17 @@ def dense_attention(q_BxTxNxH: jax.Array, k_BxSxKxH: jax.Array, v_BxSxKxHv: jax.
     window: sliding window (needs causal): query i sees key j only where i - window < j <= i.
     softcap: soft-caps the scaled scores to softcap * tanh(scores / softcap).
     sinks_N: one logit per query head that joins each row's softmax denominator, with no value.
+    groups_BxT: with causal, group ids per position (needs T == S), -1 for none: a query also
+      sees the later keys of its own group.
 
   Returns:
     [B, T, N, Hv] in q's dtype. A query row that sees no key at all gets zeros.
   """
   seg_q_BxT, seg_k_BxS, cfg = _settings(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, segments_q_BxT,
-                                        segments_k_BxS, causal, scale, window, softcap, sinks_N)
+                                        segments_k_BxS, causal, scale, window, softcap, sinks_N,
+                                        groups_BxT)
   T, S = q_BxTxNxH.shape[1], k_BxSxKxH.shape[1]
-  visible_TxS = _position_mask(jnp.arange(T), jnp.arange(S), cfg)
-  visible = None if visible_TxS is None else visible_TxS[None]  # [1, T, S]
+  visible = _position_mask(jnp.arange(T), jnp.arange(S), cfg, groups_BxT, groups_BxT)
   if seg_q_BxT is not None:
     same_BxTxS = seg_q_BxT[:, :, None] == seg_k_BxS[:, None, :]
     visible = same_BxTxS if visible is None else visible & same_BxTxS
@@ -163,7 +174,7 @@ class _Cfg(NamedTuple):
 
 
 def _settings(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, seg_q_BxT, seg_k_BxS, causal, scale, window,
-              softcap, sinks_N):
+              softcap, sinks_N, groups_BxT=None):
   """Checks the arguments both entry points share: (segments q, segments k, _Cfg without blocks)."""
   B, T, N, H = q_BxTxNxH.shape
   Bk, S, K, Hk = k_BxSxKxH.shape
@@ -190,20 +201,44 @@ def _settings(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, seg_q_BxT, seg_k_BxS, causal, sc
     if not softcap > 0:
       raise ValueError(f"softcap must be positive, got {softcap}")
     softcap = float(softcap)
+  if groups_BxT is not None and (groups_BxT.shape != (B, T) or T != S):
+    raise ValueError(f"group ids {groups_BxT.shape} do not fit [B, T] = {(B, T)} of a "
+                     f"self-attention (T == S, got S = {S})")
   if sinks_N is not None and tuple(sinks_N.shape) != (N,):
     raise ValueError(f"sinks {tuple(sinks_N.shape)} do not fit [N] = {(N,)}")
   scale = 1.0 / math.sqrt(H) if scale is None else float(scale)
   return seg_q_BxT, seg_k_BxS, _Cfg(bool(causal), 0, 0, scale, window, softcap)
 
 
-def _position_mask(q_pos_t, k_pos_s, cfg):
-  """[t, s] bool: which keys each query sees by position alone (causal, window); None for all."""
+def _position_mask(q_pos_t, k_pos_s, cfg, groups_q_Bxt=None, groups_k_Bxs=None):
+  """[1, t, s] bool (with groups [B, t, s]): which keys each query sees by position and group,
+  (causal OR same group) AND window; None for all."""
   if not cfg.causal:
     return None
-  visible_txs = k_pos_s[None, :] <= q_pos_t[:, None]
+  visible = (k_pos_s[None, :] <= q_pos_t[:, None])[None]
+  if groups_q_Bxt is not None:
+    same_Bxtxs = ((groups_q_Bxt[:, :, None] == groups_k_Bxs[:, None, :])
+                  & (groups_q_Bxt[:, :, None] >= 0))
+    visible = visible | same_Bxtxs
   if cfg.window is not None:
-    visible_txs = visible_txs & (k_pos_s[None, :] > q_pos_t[:, None] - cfg.window)
-  return visible_txs
+    visible = visible & (k_pos_s[None, :] > q_pos_t[:, None] - cfg.window)[None]
+  return visible
+
+
+def _group_extents(groups_BxT):
+  """(first, last) [B, T] int32: the first and last position of each position's group (ids
+  below T), a position of none (-1) its own."""
+  B, T = groups_BxT.shape
+  pos_T = jnp.arange(T, dtype=jnp.int32)
+  inside_BxT = groups_BxT >= 0
+  ids_BxT = jnp.where(inside_BxT, groups_BxT, T).astype(jnp.int32)  # none: a bucket never read
+  extent = lambda op: jax.vmap(lambda ids: op(pos_T, ids, num_segments=T + 1))(ids_BxT)
+  own = jnp.broadcast_to(pos_T[None], (B, T))
+  first_BxT = jnp.where(inside_BxT, jnp.take_along_axis(extent(jax.ops.segment_min), ids_BxT, 1),
+                        own)
+  last_BxT = jnp.where(inside_BxT, jnp.take_along_axis(extent(jax.ops.segment_max), ids_BxT, 1),
+                       own)
+  return first_BxT, last_BxT
 
 
 def _ceil_div(a, b):
@@ -219,24 +254,27 @@ def _pad_axis(x, axis, size):
   return jnp.pad(x, widths)
 
 
-def _kv_block_range(i, cfg, nk):
-  """[first, end) of the key blocks that query block i visits: causal stops at its last row, a
-  window starts at the first key its first row sees. Works on Python ints and traced ones."""
+def _kv_block_range(i, cfg, nk, reach=None):
+  """[first, end) of the key blocks that query block i visits: causal stops at its last row (or
+  at `reach`, the last key a group lets one of its rows see, if later), a window starts at the
+  first key its first row sees. Works on Python ints and traced ones."""
   first, end = 0, nk
   if cfg.causal:
-    end = jnp.minimum(nk, _ceil_div((i + 1) * cfg.bq, cfg.bk))
+    last = (i + 1) * cfg.bq if reach is None else jnp.maximum((i + 1) * cfg.bq, reach + 1)
+    end = jnp.minimum(nk, _ceil_div(last, cfg.bk))
   if cfg.window is not None:
     # Floor division: a negative start (the window reaches before the row) clamps to block 0.
     first = jnp.maximum(0, (i * cfg.bq - cfg.window + 1) // cfg.bk)
   return first, end
 
 
-def _q_block_range(j, cfg, nq):
-  """[first, end) of the query blocks that see any key of block j: causal starts at its first key,
-  a window ends at the last query whose window still reaches its last key."""
+def _q_block_range(j, cfg, nq, back=None):
+  """[first, end) of the query blocks that see any key of block j: causal starts at its first key
+  (or at `back`, the first query a group lets see one of its keys, if earlier), a window ends at
+  the last query whose window still reaches its last key."""
   first, end = 0, nq
   if cfg.causal:
-    first = (j * cfg.bk) // cfg.bq
+    first = (j * cfg.bk if back is None else jnp.minimum(j * cfg.bk, back)) // cfg.bq
   if cfg.window is not None:
     end = jnp.minimum(nq, ((j + 1) * cfg.bk + cfg.window - 2) // cfg.bq + 1)
   return first, end
@@ -245,7 +283,8 @@ def _q_block_range(j, cfg, nq):
 class _Layout:
   """The inputs padded to whole blocks, heads moved ahead of time so each block is one dot."""
 
-  def __init__(self, q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, seg_q_BxT, seg_k_BxS, sinks_N, cfg):
+  def __init__(self, q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, seg_q_BxT, seg_k_BxS, groups_BxT, sinks_N,
+               cfg):
     B, T, N, H = q_BxTxNxH.shape
     S, K, Hv = v_BxSxKxHv.shape[1:]
     self.B, self.T, self.N, self.H, self.S, self.K, self.G = B, T, N, H, S, K, N // K
@@ -269,6 +308,25 @@ class _Layout:
       k_Bxnkxbk = self.seg_k_BxSp.reshape(B, self.nk, cfg.bk)
       self.q_lo_Bxnq, self.q_hi_Bxnq = q_Bxnqxbq.min(axis=2), q_Bxnqxbq.max(axis=2)
       self.k_lo_Bxnk, self.k_hi_Bxnk = k_Bxnkxbk.min(axis=2), k_Bxnkxbk.max(axis=2)
+    self.grp_q_BxTp = self.grp_k_BxSp = self.reach_nq = self.back_nk = None
+    if groups_BxT is not None:
+      pad = lambda x, n, value: jnp.pad(x, ((0, 0), (0, n - x.shape[1])), constant_values=value)
+      # query and key blocks differ in size: each side padded to its own whole blocks
+      self.grp_q_BxTp, self.grp_k_BxSp = pad(groups_BxT, self.Tp, -1), pad(groups_BxT, self.Sp, -1)
+      first_BxT, last_BxT = _group_extents(groups_BxT)
+      # Per block, the furthest a group reaches: the last key any of a query block's rows sees,
+      # the first query that sees any of a key block's keys (padding reaches nothing).
+      last_BxTp, first_BxSp = pad(last_BxT, self.Tp, -1), pad(first_BxT, self.Sp, self.Sp)
+      self.reach_nq = last_BxTp.reshape(B, self.nq, cfg.bq).max(axis=(0, 2))
+      self.back_nk = first_BxSp.reshape(B, self.nk, cfg.bk).min(axis=(0, 2))
+
+  def kv_range(self, i):
+    """[first, end) of the key blocks query block i visits."""
+    return _kv_block_range(i, self.cfg, self.nk, None if self.reach_nq is None else self.reach_nq[i])
+
+  def q_range(self, j):
+    """[first, end) of the query blocks that see any key of block j."""
+    return _q_block_range(j, self.cfg, self.nq, None if self.back_nk is None else self.back_nk[j])
 
   def heads_first(self, x_BxTxNxW):
     """[B, T, N, W] -> [B, K, G, Tp, W]: the group axis sits beside K, so k/v are never repeated."""
@@ -314,11 +372,13 @@ class _Layout:
       s_BxKxGxbqxbk = cfg.softcap * tanh_BxKxGxbqxbk
     q_pos_bq = i * cfg.bq + jnp.arange(cfg.bq)
     k_pos_bk = j * cfg.bk + jnp.arange(cfg.bk)
-    visible_bqxbk = jnp.broadcast_to(k_pos_bk[None, :] < self.S, (cfg.bq, cfg.bk))  # padding
-    by_position_bqxbk = _position_mask(q_pos_bq, k_pos_bk, cfg)
-    if by_position_bqxbk is not None:
-      visible_bqxbk = visible_bqxbk & by_position_bqxbk
-    visible = visible_bqxbk[None, None, None]
+    visible = jnp.broadcast_to(k_pos_bk[None, :] < self.S, (cfg.bq, cfg.bk))[None]  # padding
+    groups = (None, None) if self.grp_q_BxTp is None else (
+        self.q_slice(self.grp_q_BxTp, i, axis=1), self.k_slice(self.grp_k_BxSp, j, axis=1))
+    by_position = _position_mask(q_pos_bq, k_pos_bk, cfg, *groups)  # [1 or B, bq, bk]
+    if by_position is not None:
+      visible = visible & by_position
+    visible = visible[:, None, None]
     if self.seg_q_BxTp is not None:
       seg_q_Bxbq = self.q_slice(self.seg_q_BxTp, i, axis=1)
       seg_k_Bxbk = self.k_slice(self.seg_k_BxSp, j, axis=1)
@@ -327,9 +387,9 @@ class _Layout:
     return jnp.where(visible, s_BxKxGxbqxbk, _NEG), visible, tanh_BxKxGxbqxbk
 
 
-def _forward(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, seg_q_BxT, seg_k_BxS, sinks_N, cfg):
+def _forward(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, seg_q_BxT, seg_k_BxS, groups_BxT, sinks_N, cfg):
   """Output [B, T, N, Hv] and the fp32 logsumexp of every (padded) query row, [B, K, G, Tp]."""
-  lay = _Layout(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, seg_q_BxT, seg_k_BxS, sinks_N, cfg)
+  lay = _Layout(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, seg_q_BxT, seg_k_BxS, groups_BxT, sinks_N, cfg)
   B, K, G, Hv, bq = lay.B, lay.K, lay.G, lay.Hv, cfg.bq
 
   def q_block(i):
@@ -359,7 +419,7 @@ def _forward(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, seg_q_BxT, seg_k_BxS, sinks_N, cf
       m0 = jnp.broadcast_to(lay.sink_KxG[None, :, :, None], (B, K, G, bq))
       l0 = jnp.ones((B, K, G, bq), jnp.float32)
     init = (m0, l0, jnp.zeros((B, K, G, bq, Hv), jnp.float32))
-    m, l, acc = lax.fori_loop(*_kv_block_range(i, cfg, lay.nk), kv_step, init)
+    m, l, acc = lax.fori_loop(*lay.kv_range(i), kv_step, init)
     seen = l > 0  # a row with no visible key (and no sink) gets zeros and a logsumexp never read
     out_BxKxGxbqxHv = acc / jnp.where(seen, l, 1.0)[..., None]
     lse_BxKxGxbq = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
@@ -372,14 +432,14 @@ def _forward(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, seg_q_BxT, seg_k_BxS, sinks_N, cf
   return lay.heads_last(out_BxKxGxTpxHv), lse_BxKxGxTp
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attention(q, k, v, seg_q, seg_k, sinks, cfg):
-  return _forward(q, k, v, seg_q, seg_k, sinks, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _attention(q, k, v, seg_q, seg_k, groups, sinks, cfg):
+  return _forward(q, k, v, seg_q, seg_k, groups, sinks, cfg)[0]
 
 
-def _attention_fwd(q, k, v, seg_q, seg_k, sinks, cfg):
-  out, lse = _forward(q, k, v, seg_q, seg_k, sinks, cfg)
-  return out, (q, k, v, seg_q, seg_k, sinks, out, lse)
+def _attention_fwd(q, k, v, seg_q, seg_k, groups, sinks, cfg):
+  out, lse = _forward(q, k, v, seg_q, seg_k, groups, sinks, cfg)
+  return out, (q, k, v, seg_q, seg_k, groups, sinks, out, lse)
 
 
 def _attention_bwd(cfg, residuals, dout_BxTxNxHv):
@@ -388,8 +448,9 @@ def _attention_bwd(cfg, residuals, dout_BxTxNxHv):
   dk and dv of a key block accumulate in the inner loop and leave as that block's scan output;
   dq accumulates across key blocks in one fp32 [B, K, G, Tp, H] carry, updated in place.
   """
-  q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, seg_q, seg_k, sinks_N, out_BxTxNxHv, lse_BxKxGxTp = residuals
-  lay = _Layout(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, seg_q, seg_k, sinks_N, cfg)
+  (q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, seg_q, seg_k, groups, sinks_N, out_BxTxNxHv,
+   lse_BxKxGxTp) = residuals
+  lay = _Layout(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, seg_q, seg_k, groups, sinks_N, cfg)
   B, K, G, H, Hv, bk = lay.B, lay.K, lay.G, lay.H, lay.Hv, cfg.bk
   dout_BxKxGxTpxHv = lay.heads_first(dout_BxTxNxHv)
   # delta_i = sum_j p_ij dp_ij = dout_i . out_i: the softmax backward's row term, computed once.
@@ -437,7 +498,7 @@ def _attention_bwd(cfg, residuals, dout_BxTxNxHv):
 
     init = (dq_BxKxGxTpxH, (jnp.zeros((B, K, bk, H), jnp.float32),
                             jnp.zeros((B, K, bk, Hv), jnp.float32)))
-    dq, dk_dv = lax.fori_loop(*_q_block_range(j, cfg, lay.nq), q_step, init)
+    dq, dk_dv = lax.fori_loop(*lay.q_range(j), q_step, init)
     return dq, dk_dv
 
   dq0 = jnp.zeros((B, K, G, lay.Tp, H), jnp.float32)
@@ -458,9 +519,9 @@ def _attention_bwd(cfg, residuals, dout_BxTxNxHv):
     dsinks_N = dsink_KxG.reshape(lay.N).astype(sinks_N.dtype)
 
   dq = lay.heads_last(dq_BxKxGxTpxH).astype(q_BxTxNxH.dtype)
-  # Segment ids are integers: no cotangent.
+  # Segment and group ids are integers: no cotangent.
   return (dq, keys_last(dk_nkxBxKxbkxH, k_BxSxKxH), keys_last(dv_nkxBxKxbkxHv, v_BxSxKxHv),
-          None, None, dsinks_N)
+          None, None, None, dsinks_N)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -126,11 +126,14 @@ class VisionConfig:
   projector_bias: bool = True  # mlp only: biases on its linears
   tokens_per_image: int | None = None  # pool only: image tokens after pooling (a square number); None: every patch
   image_token_id: int = 0  # the text token each image feature replaces
-  max_images: int = 1  # image slots per sequence (a static shape: rows with fewer images pad them)
+  max_images: int = 1  # image slots per sequence (a static shape: rows with fewer images pad them); 0: text-only batches, the tower computing nothing
+  image_attention: Literal["causal", "bidirectional"] = "causal"  # how the decoder's image tokens attend: causally as text (LLaVA), or each image's whole run of tokens to each other (Gemma 3, as transformers computes it given token_type_ids)
 
   def __post_init__(self):
     _positive(self, "hidden", "layers", "heads", "ffn", "image_size", "patch", "channels",
-              "norm_eps", "max_images", section="model.vision.")
+              "norm_eps", section="model.vision.")
+    if self.max_images < 0:
+      raise ConfigError(f"model.vision.max_images: {self.max_images} must be >= 0")
     if self.hidden % self.heads:
       raise ConfigError(f"model.vision.heads: {self.heads} does not divide model.vision.hidden "
                         f"({self.hidden})")
@@ -215,9 +218,12 @@ def upgrade_model_section(raw_model: dict) -> dict:
   return out
 
 
-# Model keys that say how a mixture trains or how a DeltaNet's scan is split, not what the model
-# computes: a run may set them on an imported model, and a checkpoint resumes under other values.
-TRAINING_KNOBS = ("aux_loss_coef", "z_loss_coef", "capacity_factor", "chunk", "max_images")
+# Model keys that say how a mixture trains, how a DeltaNet's scan is split or how images are fed,
+# not what weights the model holds: a run may set them on an imported model, and a checkpoint
+# resumes under other values. (transformers' Gemma 3 runs its image tokens either way too:
+# bidirectionally given token_type_ids, causally without.)
+TRAINING_KNOBS = ("aux_loss_coef", "z_loss_coef", "capacity_factor", "chunk", "max_images",
+                  "image_attention")
 
 
 def derived_widths(model: dict) -> dict:

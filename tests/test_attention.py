@@ -16,11 +16,12 @@ from numerics import REL_L2, assert_trees_close
 
 def naive_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, *, segments_q_BxT=None, segments_k_BxS=None,
                     causal=True, scale=None, window=None, softcap=None, sinks_N=None,
-                    positions_BxT=None, chunk=None):
+                    positions_BxT=None, chunk=None, groups_BxT=None):
   """Full [B, N, T, S] fp32 scores and masks, k/v repeated per query head, the cap as written,
   the sink as a concatenated score column dropped after the softmax; rows that see nothing give 0.
   With `chunk`, a query sees only keys whose position // chunk is its own (chunked local
-  attention, T == S): the block-diagonal mask over `positions_BxT`.
+  attention, T == S): the block-diagonal mask over `positions_BxT`. With `groups_BxT` (causal,
+  T == S), a query also sees every key of its own group (ids >= 0), the window still applied.
   """
   B, T, N, H = q_BxTxNxH.shape
   S, K = k_BxSxKxH.shape[1:3]
@@ -35,7 +36,12 @@ def naive_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxHv, *, segments_q_BxT=None, se
   i_Tx1, j_1xS = np.arange(T)[:, None], np.arange(S)[None, :]  # numpy: broadcasts as written
   mask_BxNxTxS = jnp.ones((B, N, T, S), bool)
   if causal:
-    mask_BxNxTxS = mask_BxNxTxS & jnp.asarray(j_1xS <= i_Tx1)[None, None]
+    order_BxTxS = np.broadcast_to(j_1xS <= i_Tx1, (B, T, S))
+    if groups_BxT is not None:
+      g_BxT = np.asarray(groups_BxT)
+      order_BxTxS = order_BxTxS | ((g_BxT[:, :, None] == g_BxT[:, None, :])
+                                   & (g_BxT[:, :, None] >= 0))
+    mask_BxNxTxS = mask_BxNxTxS & jnp.asarray(order_BxTxS)[:, None]
   if window is not None:
     mask_BxNxTxS = mask_BxNxTxS & jnp.asarray(j_1xS > i_Tx1 - window)[None, None]
   if segments_q_BxT is not None:
@@ -59,6 +65,20 @@ def packed_segments(B, T, seed):
   """Document ids as packing makes them: nondecreasing along the row, random document lengths."""
   rng = np.random.default_rng(seed)
   return jnp.asarray(np.cumsum(rng.random((B, T)) < 0.2, axis=1).astype(np.int32))
+
+
+def image_groups(B, T, seed):
+  """Group ids as Gemma 3's image tokens make them: runs of positions numbered along the row,
+  -1 between them, some runs right after another (ids of their own), some across blocks."""
+  rng = np.random.default_rng(seed + 2)
+  groups = np.full((B, T), -1, np.int32)
+  for b in range(B):
+    n, t = 0, int(rng.integers(0, 4))
+    while t < T:
+      length = int(rng.integers(1, max(2, T // 3)))
+      groups[b, t:t + length] = n
+      n, t = n + 1, t + length + int(rng.integers(0, 6))
+  return jnp.asarray(groups)
 
 
 def random_qkv(B, T, S, N, K, H, dtype, seed, Hv=None):
@@ -179,13 +199,15 @@ def test_bf16_sweep_close_to_fp32_naive(T, heads, H, blocks, packed, seed):
 CAP, CAP_SCALE = 5.0, lambda H: 4 / np.sqrt(H)
 
 
-def features_case(B, T, S, heads, H, Hv, packed, window, softcap, sinks, seed):
+def features_case(B, T, S, heads, H, Hv, packed, window, softcap, sinks, seed, groups=False):
   """Inputs and options of one case of the feature tests: (q, k, v, ct, segments, options)."""
   N, K = heads
   q, k, v, ct = random_qkv(B, T, S, N, K, H, jnp.float32, seed, Hv=Hv)
   seg = packed_segments(B, T, seed) if packed else None
   options = dict(window=window, softcap=softcap, scale=CAP_SCALE(H) if softcap else None,
                  sinks=random_sinks(N, seed) if sinks else None)
+  if groups:
+    options["groups_BxT"] = image_groups(B, T, seed)
   return q, k, v, ct, seg, options
 
 
@@ -218,12 +240,41 @@ def test_features_match_naive(B, T, S, heads, H, Hv, blocks, packed, window, sof
        Hv=hst.sampled_from([None, 8, 12]), q_block=hst.sampled_from([8, 16, 128]),
        kv_block=hst.sampled_from([8, 16, 128]), packed=hst.booleans(),
        window=hst.sampled_from([None, 1, 3, 17]), softcap=hst.sampled_from([None, CAP]),
-       sinks=hst.booleans(), seed=hst.integers(0, 2**16))
+       sinks=hst.booleans(), groups=hst.booleans(), seed=hst.integers(0, 2**16))
 def test_features_sweep_matches_naive(B, T, heads, H, Hv, q_block, kv_block, packed, window,
-                                      softcap, sinks, seed):
+                                      softcap, sinks, groups, seed):
   q, k, v, ct, seg, options = features_case(B, T, T, heads, H, Hv, packed, window, softcap, sinks,
-                                            seed)
+                                            seed, groups)
   assert_matches_naive(q, k, v, ct, seg, True, (q_block, kv_block), **options)
+
+
+@pytest.mark.parametrize("B,T,heads,blocks,packed,window", [
+    (2, 40, (4, 1), (8, 8), True, 3),  # documents, and a window shorter than a group
+    # groups across blocks that do not divide T, key blocks longer than query blocks
+    pytest.param(2, 33, (4, 2), (8, 16), False, None, marks=pytest.mark.soak),
+])
+def test_image_groups_match_naive(B, T, heads, blocks, packed, window):
+  """A query sees its group's later keys too (within the window and its document): the dense
+  and the blockwise kernels equal the naive mask, and the groups change what they compute."""
+  q, k, v, ct, seg, options = features_case(B, T, T, heads, 8, None, packed, window, None, False,
+                                            seed=T, groups=True)
+  groups = np.asarray(options["groups_BxT"])
+  assert (groups >= 0).any(axis=1).all() and len(np.unique(groups)) > 3
+  assert_matches_naive(q, k, v, ct, seg, True, blocks, **options)
+  plain = results(dense_attention, q, k, v, ct, seg, seg, window=window)
+  grouped = results(dense_attention, q, k, v, ct, seg, seg, **options)
+  assert relative_error(grouped[0], plain[0]) > 1e-2
+
+
+def test_groups_of_none_are_the_causal_mask_exactly():
+  """Ids of -1 alone (a batch with no image) compute the causal attention bit for bit, the
+  blockwise kernel visiting the causal blocks alone."""
+  q, k, v, ct = random_qkv(2, 20, 20, 4, 2, 8, jnp.float32, seed=5)
+  none = jnp.full((2, 20), -1, jnp.int32)
+  kw = dict(q_block=8, kv_block=8)
+  jax.tree.map(np.testing.assert_array_equal,
+               results(blockwise_attention, q, k, v, ct, groups_BxT=none, **kw),
+               results(blockwise_attention, q, k, v, ct, **kw))
 
 
 def test_softcap_bends_the_scores():
@@ -314,6 +365,45 @@ def test_window_skips_key_blocks_outside_it(monkeypatch, T, window, bq, bk):
     assert max(np.bincount([i for i, _ in expected])) == 2
     assert max(np.bincount([j for _, j in expected])) == 2
     assert (len(expected), len(causal_pairs)) == (31, 136)
+
+
+@pytest.mark.soak
+def test_groups_visit_the_key_blocks_they_reach_and_no_others(monkeypatch):
+  """With a group over positions 20..43 (8-wide blocks), the forward and the backward compute
+  exactly the block pairs that hold a visible (query, key) under causal OR same group: the
+  causal ones and those above the diagonal the group spans."""
+  T, bq = 64, 8
+  visits = {"forward": [], "backward": []}
+  phase = ["forward"]
+  scores = attention._Layout.scores
+
+  def counting_scores(self, q_blk, i, j):
+    record = visits[phase[0]].append
+    jax.debug.callback(lambda i, j: record((int(i), int(j))), i, j)
+    return scores(self, q_blk, i, j)
+
+  monkeypatch.setattr(attention._Layout, "scores", counting_scores)
+  q, k, v, ct = random_qkv(1, T, T, 2, 1, 8, jnp.float32, seed=T)
+  groups_T = np.full(T, -1, np.int32)
+  groups_T[20:44] = 0
+
+  def run(q, k, v, ct):
+    attn = lambda q, k, v: blockwise_attention(q, k, v, q_block=bq, kv_block=bq,
+                                               groups_BxT=jnp.asarray(groups_T[None]))
+    out, vjp = jax.vjp(attn, q, k, v)
+    phase[0] = "backward"
+    return out, vjp(ct)
+
+  jax.block_until_ready(jax.jit(run)(q, k, v, ct))
+  jax.effects_barrier()
+  i_Tx1, j_1xT = np.arange(T)[:, None], np.arange(T)[None, :]
+  visible_TxT = (j_1xT <= i_Tx1) | ((groups_T[:, None] == groups_T[None, :]) & (groups_T[:, None] >= 0))
+  n = T // bq
+  expected = sorted((a, b) for a in range(n) for b in range(n)
+                    if visible_TxT[a * bq:(a + 1) * bq, b * bq:(b + 1) * bq].any())
+  assert sorted(visits["forward"]) == expected
+  assert sorted(visits["backward"]) == expected
+  assert len(expected) == n * (n + 1) // 2 + 6  # blocks 2..5 meet: 6 pairs above the diagonal
 
 
 @pytest.mark.parametrize("T,S,causal", [(16, 40, True), (40, 16, False)])
@@ -502,3 +592,6 @@ def test_each_layer_takes_the_kernel_that_applies_to_it():
   assert layer_kernel("cudnn", seq=2048, packed=True, sinks=True) == "blockwise"
   assert layer_kernel("cudnn", seq=2048, packed=True, same_widths=False) == "blockwise"
   assert layer_kernel("xla", seq=2048, packed=True) == "xla"
+  # image groups (Gemma 3's bidirectional image tokens): no cuDNN mask expresses causal OR group
+  assert layer_kernel("cudnn", seq=2048, packed=False, groups=True) == "blockwise"
+  assert layer_kernel("xla", seq=2048, packed=False, groups=True) == "xla"

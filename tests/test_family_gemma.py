@@ -1,5 +1,5 @@
-"""The Gemma family (Gemma 2, Gemma 3 text, Gemma 3's vision-language text tower) against
-transformers, through the parity harness (tests/parity.py).
+"""The Gemma family (Gemma 2, Gemma 3 text) against transformers, through the parity harness
+(tests/parity.py); Gemma 3's vision-language model has tests/test_family_gemma3_vl.py.
 
 The tiny configs set what Gemma's defaults make useless at this size: head_dim 256 and a window
 of 4096 tokens. Soft-caps of 2-5, a window of 4 in 12 tokens, a query_pre_attn_scalar apart from
@@ -17,7 +17,6 @@ import pytest
 
 import mtjax
 from mtjax import hf, models
-from numerics import assert_close
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -38,8 +37,6 @@ GEMMA3 = dict(SHAPE, num_hidden_layers=2, layer_types=["sliding_attention", "ful
 # GELU's derivative crosses zero (x = -0.75), so a gate gradient can land within rounding of the
 # default 1e-8 (one does here). An eps of 1e-4 keeps every step a smooth function of its gradient.
 ADAM = {"optim.eps": 1e-4}
-VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-              image_size=28, patch_size=14)
 
 
 @pytest.fixture(scope="module")
@@ -95,33 +92,6 @@ def test_gemma3_equals_transformers(gemma3, tmp_path):
   parity.check_adamw_step(gemma3, **ADAM)
 
 
-@parity.covers("gemma3_vl")
-def test_gemma3_vision_language_text_tower_equals_transformers(tmp_path):
-  src = tmp_path / "src"
-  config = transformers.Gemma3Config(text_config=GEMMA3, vision_config=VISION,
-                                     mm_tokens_per_image=4)
-  parity.save_tiny(config, src)
-  cfg, params = mtjax.load_hf(src)  # the vision tower's and projector's tensors left unread
-  assert cfg.family == "gemma3_vl" and cfg.tie_embeddings
-  assert cfg.final_softcap is None  # Gemma3ForConditionalGeneration does not cap its logits
-  ids = parity.token_ids(cfg.vocab_size, T=13)
-  want = parity.torch_reference(src, ids[:, :-1], ids[:, 1:])
-  assert_close(mtjax.forward(cfg, params, ids[:, :-1]), want.logits, name="logits")
-  loss, grads = parity.mtjax_loss_and_grads(cfg, params, ids[:, :-1], ids[:, 1:])
-  assert_close(loss, want.loss, name="loss")
-  # Both sides by checkpoint name: the text tower's tensors are language_model.model.*; the
-  # vision tower and projector, which text-only inputs never reach, get no gradient in torch.
-  text = {k for k in want.grads if k.startswith("language_model.")}
-  assert grads.keys() == text, grads.keys() ^ text
-  for name in text:
-    assert_close(grads[name], want.grads[name], name=name)
-  assert all(not np.any(want.grads[k]) for k in want.grads.keys() - text)
-  parity.pieces_cover_every_parameter(cfg)
-  parity.check_export(cfg, params, tmp_path / "out", source=src)
-  with pytest.raises(models.FamilyError, match="source checkpoint's config.json"):
-    parity.check_export(cfg, params, tmp_path / "bare")
-
-
 def _fields(config: dict) -> dict:
   return models.read_hf_config(config, "config.json")
 
@@ -147,16 +117,28 @@ def test_both_key_styles_and_omitted_keys_read_as_transformers_resolves_them():
   assert _fields(old2) == _fields(new2)
   assert (_fields(old2)["attn_softcap"], _fields(old2)["final_softcap"]) == (50.0, 30.0)
 
-  # A published vision-language config names a few text keys; the rest are Gemma3TextConfig's.
+  # A published vision-language config (Gemma 3 4B's) names a few text keys; the rest are
+  # Gemma3TextConfig's, and the tower's the rest SiglipVisionConfig's.
   vl = dict(architectures=["Gemma3ForConditionalGeneration"],
             text_config=dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
                              rope_scaling={"factor": 8.0, "rope_type": "linear"},
-                             sliding_window=1024, final_logit_softcapping=30.0))
-  text = transformers.Gemma3Config.from_dict(json.loads(json.dumps(vl))).text_config.to_dict()
+                             sliding_window=1024, final_logit_softcapping=30.0),
+            vision_config=dict(hidden_size=1152, image_size=896, intermediate_size=4304,
+                               model_type="siglip_vision_model", num_attention_heads=16,
+                               num_hidden_layers=27, patch_size=14, vision_use_head=False))
+  full = transformers.Gemma3Config.from_dict(json.loads(json.dumps(vl)))
+  text = full.text_config.to_dict()
   text["architectures"] = ["Gemma3ForCausalLM"]
   fields = _fields(vl)
+  v = fields.pop("vision")
   assert fields == {**_fields(text), "family": "gemma3_vl", "final_softcap": None}
   assert fields["query_scale"] is None and fields["sliding_window"] == 1024
+  tower = full.vision_config
+  assert (v.hidden, v.layers, v.heads, v.ffn, v.image_size, v.patch, v.norm_eps) == (
+      tower.hidden_size, tower.num_hidden_layers, tower.num_attention_heads,
+      tower.intermediate_size, tower.image_size, tower.patch_size, tower.layer_norm_eps)
+  assert (v.act, v.image_tokens, v.image_token_id, v.image_attention) == (
+      "gelu_tanh", full.mm_tokens_per_image, full.image_token_index, "bidirectional")
 
 
 @pytest.mark.parametrize("key,value,message", [
@@ -188,7 +170,7 @@ def test_a_misshapen_tensor_is_a_one_line_error(gemma2, tmp_path):
                                        r"\[32, 40\]$"):
     mtjax.load_hf(bad)
   shutil.rmtree(bad)
-  # Only a vision-language checkpoint's vision tower and projector are left unread.
-  assert models.get("gemma3_vl").ignored({}, "vision_tower.encoder.layers.0.mlp.fc1.weight")
-  assert not models.get("gemma3_vl").ignored({}, "language_model.model.layers.9.mlp.up_proj.weight")
-  assert not models.get("gemma2").ignored({}, "vision_tower.encoder.layers.0.mlp.fc1.weight")
+  # Only a vision-language checkpoint's SigLIP pooling head (which Gemma 3 never runs) is unread.
+  assert models.get("gemma3_vl").ignored({}, "vision_tower.head.mlp.fc1.weight")
+  assert not models.get("gemma3_vl").ignored({}, "vision_tower.encoder.layers.0.mlp.fc1.weight")
+  assert not models.get("gemma2").ignored({}, "vision_tower.head.mlp.fc1.weight")

@@ -67,7 +67,7 @@ CONFIGS = {
         text_config=dict(GEMMA, **ONE, layer_types=["sliding_attention"]),
         vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                            num_attention_heads=2, image_size=28, patch_size=14),
-        mm_tokens_per_image=4),
+        mm_tokens_per_image=4, image_token_index=S["vocab_size"] - 1),
     "llava": lambda: T.LlavaConfig(
         vision_config=T.CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                          num_attention_heads=2, image_size=28, patch_size=14),
@@ -122,7 +122,7 @@ CONFIGS = {
 }
 # Families whose layers have no decoding cache: generate refuses them in one line.
 UNCACHED = ("qwen3_next",)
-VISION = ("llava",)  # an image tower and projector: refused by generate
+VISION = ("gemma3_vl", "llava")  # an image tower and projector: refused by generate
 
 
 def _llama4():

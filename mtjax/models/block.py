@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 from mtjax.config import ModelConfig
 from mtjax.models import deltanet, mla, moe
-from mtjax.models.layers import MLP, Attention, BlockKind, Ctx, layer_segments, norm_layer
+from mtjax.models.layers import (MLP, Attention, BlockKind, Ctx, image_groups, layer_segments,
+                                 norm_layer)
 
 
 class Block(nn.Module):
@@ -83,7 +84,8 @@ class Block(nn.Module):
     B, T, _ = x_BxTxD.shape
     ctx = Ctx.default(B, T) if ctx is None else ctx
     qkv = self._per_token(Block._qkv, x_BxTxD, *self.attn.rope(ctx.positions))
-    a_BxTxE = self.attn.core(qkv, layer_segments(self.cfg, self.kind.layer_type, ctx))
+    a_BxTxE = self.attn.core(qkv, layer_segments(self.cfg, self.kind.layer_type, ctx),
+                             image_groups(self.cfg, ctx))
     valid_BxT = jnp.ones((B, T), jnp.float32)
     y, aux = self._per_token(Block._out, x_BxTxD, a_BxTxE, valid_BxT, sums=True)
     return y, aux

@@ -174,8 +174,11 @@ class GatedDeltaNet(nn.Module):
     g = -jnp.exp(self.A_log)[None, None] * jax.nn.softplus(wide(a) + self.dt_bias[None, None])
     return mixed, z.reshape(B, T, m.value_heads, Dv), beta, g
 
-  def core(self, qkv, segments_BxT):
+  def core(self, qkv, segments_BxT, groups_BxT=None):
     """Convolution, recurrence and gated norm over the sequence: [B, T, Hv * Dv]."""
+    if groups_BxT is not None:
+      raise ValueError("model.vision.image_attention: bidirectional image tokens need attention "
+                       "layers (a gated DeltaNet's recurrence is causal)")
     m = self.cfg.linear
     mixed, z_BxTxHxV, beta, g = qkv
     B, T, _ = mixed.shape

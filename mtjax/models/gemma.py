@@ -9,19 +9,31 @@ Gemma 3 adds q/k norms per head and rotates sliding layers by a base of their ow
 transformers' Gemma 3 applies no attention soft-cap whatever `attn_logit_softcapping` says, so
 neither does mtjax.
 
-`gemma3_vl` is the text tower of a Gemma3ForConditionalGeneration checkpoint: config.json's
-`text_config` and its `language_model.*` tensors; the vision tower and projector are not part of
-the model (their tensors are tolerated, not read). Its head is never soft-capped (transformers'
-Gemma3ForConditionalGeneration applies no `final_logit_softcapping`) and its tying is the top
-level's `tie_word_embeddings`.
+`gemma3_vl` is Gemma3ForConditionalGeneration: a SigLIP vision tower (mtjax.models.vision)
+whose last hidden state, post-normed, is average-pooled to `mm_tokens_per_image` tokens an image,
+RMS-normed (1 + w, the tower's epsilon) and multiplied by `mm_input_projection_weight`; the
+features replace the `image_token_index` tokens' embeddings (after the sqrt(hidden) scale, which
+they do not take) in the Gemma 3 text model, whose image tokens attend to each other
+bidirectionally within each contiguous run (`model.vision.image_attention`; transformers does so
+given token_type_ids). Its head is never soft-capped (transformers' Gemma3ForConditionalGeneration
+applies no `final_logit_softcapping`) and its tying is the top level's `tie_word_embeddings`.
+SigLIP's attention-pooling head (`vision_use_head`) is not in Gemma 3's computation: its tensors
+are tolerated, not read. The tower's post-norm (`vision_tower.post_layernorm`) runs in the
+projector's group, so `train.freeze: [vision]` leaves it training; freezing the projector holds it.
+A text-only run may set `model.vision.max_images: 0`: the tower then computes nothing (its
+weights still stream; frozen, they hold no optimizer state). Tensors are read in LLaVA's
+spellings (mtjax.models.llava.RENAMES): `vision_tower.*` (what transformers writes) or
+`vision_tower.vision_model.*` (the hub's files), and the `model.*` / `lm_head.weight` style.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
-from mtjax.config import ModelConfig
+from mtjax.config import ModelConfig, VisionConfig
 from mtjax.layout import Layout
+from mtjax.models import llava
 from mtjax.models.registry import Family, FamilyError, Piece, register, rotary_buffers
 from mtjax.models.common import (Reader, base_config, layer_type_names, rope_parameters,
                                  standard_pieces)
@@ -126,15 +138,41 @@ def _read(family: str):
   return read
 
 
+# transformers' values for keys a Gemma3Config may leave out: SiglipVisionConfig's and its own.
+_SIGLIP = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+               num_attention_heads=12, num_channels=3, image_size=224, patch_size=16,
+               hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6)
+_VL = dict(tie_word_embeddings=True, mm_tokens_per_image=256, image_token_index=262144)
+
+
 def _read_vl(config: dict, where: str) -> dict:
-  """The text tower of a Gemma3ForConditionalGeneration config.json."""
-  text = config.get("text_config") or {}
-  if not isinstance(text, dict):
-    raise FamilyError(f"{where}: text_config={text!r} unsupported (expected a dict)")
+  """A Gemma3ForConditionalGeneration config.json: its text model, SigLIP tower and projector."""
+  text, vc = (config.get(key) or {} for key in ("text_config", "vision_config"))
+  for key, value in (("text_config", text), ("vision_config", vc)):
+    if not isinstance(value, dict):
+      raise FamilyError(f"{where}: {key}={value!r} unsupported (expected a dict)")
   fields = _read_text("gemma3", text, f"{where} text_config", final_softcap=False)
+  r = Reader(config, where, _VL)
   # The head ties by the top level's flag, not text_config's.
-  fields["tie_embeddings"] = bool(Reader(config, where, {"tie_word_embeddings": True})
-                                  .opt("tie_word_embeddings"))
+  fields["tie_embeddings"] = bool(r.opt("tie_word_embeddings"))
+  if vc.get("model_type", "siglip_vision_model") != "siglip_vision_model":
+    raise FamilyError(f"{where}: vision_config.model_type={vc.get('model_type')!r} unsupported "
+                      "(siglip_vision_model)")
+  vwhere = f"{where} vision_config"
+  tower = llava.read_tower({**_SIGLIP, **vc}, vwhere, tower="siglip", projector="pool",
+                           layers=Reader(vc, vwhere, _SIGLIP).positive("num_hidden_layers"))
+  side, ragged = divmod(tower["image_size"], tower["patch"])
+  tokens = r.positive("mm_tokens_per_image")
+  pooled = math.isqrt(tokens)  # image tokens a side after the average pool
+  if ragged or pooled * pooled != tokens or side % pooled:
+    r.refuse("mm_tokens_per_image", f"a square whose side divides the {side} patches a side")
+  token = config.get("image_token_id", r.opt("image_token_index"))
+  if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < fields["vocab_size"]:
+    raise FamilyError(f"{where}: image_token_index={token!r} unsupported (a token id below "
+                      f"vocab_size {fields['vocab_size']}: mtjax's batches hold no other ids)")
+  fields["vision"] = VisionConfig(**tower, image_token_id=token,
+                                  tokens_per_image=None if tokens == side * side else tokens,
+                                  image_attention="bidirectional")
   return fields
 
 
@@ -167,21 +205,51 @@ def _write(arch: str, model_type: str):
 
 
 def _write_vl(cfg: ModelConfig, dtype: str) -> dict:
-  raise FamilyError("gemma3_vl: an export needs the source checkpoint's config.json (its vision "
-                    "tower's config, which mtjax does not keep)")
+  """A whole Gemma3Config: the text model's keys as Gemma3ForCausalLM's, the SigLIP tower's, the
+  projector's."""
+  v = cfg.vision
+  if v is None or (v.tower, v.projector) != ("siglip", "pool"):
+    raise FamilyError("gemma3_vl: an export needs model.vision with a siglip tower and the pool "
+                      "projector (Gemma 3's)")
+  text = _write_text(dataclasses.replace(cfg, family="gemma3", vision=None), "Gemma3ForCausalLM",
+                     "gemma3_text", dtype)
+  text.pop("architectures")
+  tower = {"model_type": "siglip_vision_model", "hidden_size": v.hidden,
+           "intermediate_size": v.ffn, "num_hidden_layers": v.layers,
+           "num_attention_heads": v.heads, "image_size": v.image_size, "patch_size": v.patch,
+           "num_channels": v.channels, "layer_norm_eps": v.norm_eps,
+           "hidden_act": {a: b for b, a in llava.TOWER_ACTS.items()}[v.act],
+           "vision_use_head": False}
+  return {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+          "text_config": text, "vision_config": tower, "mm_tokens_per_image": v.image_tokens,
+          "image_token_index": v.image_token_id, "tie_word_embeddings": cfg.tie_embeddings,
+          "torch_dtype": dtype}
+
+
+# the projector's parameters -> their tensors (the tower's post-norm is SigLIP's, read there)
+_PROJECTOR = {("post_norm", "scale"): "vision_tower.post_layernorm.weight",
+              ("post_norm", "bias"): "vision_tower.post_layernorm.bias",
+              ("norm", "scale"): "multi_modal_projector.mm_soft_emb_norm.weight",
+              ("proj", "kernel"): "multi_modal_projector.mm_input_projection_weight"}
 
 
 def _pieces_vl(cfg: ModelConfig, group: str, layout: Layout) -> list[Piece]:
-  """The text tower's tensors under `language_model.` (`language_model.model.layers.<i>.*`,
-  `language_model.lm_head.weight`), as transformers saves Gemma3ForConditionalGeneration."""
+  """The tensors as transformers saves Gemma3ForConditionalGeneration: `vision_tower.*`,
+  `multi_modal_projector.*` (the projection [tower width, hidden], as stored: no transpose),
+  `language_model.model.*` and `language_model.lm_head.weight`."""
+  tower = llava.tower_pieces(group, layout, "vision_tower.", llava.EMBED, llava.BLOCK, {})
+  if tower is not None:
+    return tower
+  if group == "projector":
+    return [Piece(_PROJECTOR[path], tuple(shape), path)
+            for path, shape in zip(layout.paths, layout.shapes)]
   return [Piece(f"language_model.{p.name}", p.shape, p.path, p.src, p.dst, p.transpose)
           for p in standard_pieces(cfg, group, layout)]
 
 
-def _vision(config: dict, name: str) -> bool:
-  """The vision tower's and projector's tensors and RoPE buffers: tolerated, not read."""
-  return (name.startswith(("vision_tower.", "multi_modal_projector."))
-          or rotary_buffers(config, name))
+def _ignored(config: dict, name: str) -> bool:
+  """SigLIP's attention-pooling head (never computed) and RoPE buffers."""
+  return name.startswith("vision_tower.head.") or rotary_buffers(config, name)
 
 
 register(Family(
@@ -195,6 +263,6 @@ register(Family(
           "5:1 sliding layers; no attention soft-cap (transformers applies none)"))
 register(Family(
     "gemma3_vl", ("Gemma3ForConditionalGeneration",), _read_vl, _write_vl, _pieces_vl,
-    ignored=_vision,
-    notes="Gemma 3 4B/12B/27B's text tower; the vision tower and projector are ignored, and an "
-          "export (with the source's config.json) leaves transformers to initialise them anew"))
+    ignored=_ignored, renames=llava.RENAMES,
+    notes="Gemma 3 4B/12B/27B with its SigLIP tower and pooled projector; image tokens attend "
+          "to each other bidirectionally (model.vision.image_attention)"))

@@ -179,6 +179,19 @@ def layer_segments(cfg: ModelConfig, layer_type: str, ctx: Ctx) -> jax.Array | N
   return attention.chunk_segments(ctx.positions, cfg.attention_chunk, ctx.segments)
 
 
+def image_groups(cfg: ModelConfig, ctx: Ctx) -> jax.Array | None:
+  """[B, T] int32 ids of the image blocks a decoder's attention lets see each other whole
+  (`model.vision.image_attention` bidirectional): each contiguous run of image tokens
+  (ctx.image_slots >= 0) one id, numbered along the row, -1 for text, as transformers' Gemma 3
+  builds its block mask from token_type_ids (two images with no token between them are one
+  block). None where the model's image tokens attend causally."""
+  if cfg.vision is None or cfg.vision.image_attention == "causal" or ctx.image_slots is None:
+    return None
+  image_BxT = ctx.image_slots >= 0
+  start_BxT = image_BxT & ~jnp.pad(image_BxT, ((0, 0), (1, 0)))[:, :-1]
+  return jnp.where(image_BxT, jnp.cumsum(start_BxT, axis=1, dtype=jnp.int32) - 1, -1)
+
+
 class RMSNorm(nn.Module):
   """RMSNorm over the last axis in fp32; with `offset` the weight w scales by (1 + w) (Gemma)."""
   eps: float
@@ -273,17 +286,18 @@ def choose_attention(choice: str, platform: str, capability: float, compute_dtyp
 
 
 def layer_kernel(implementation: str, *, seq: int, packed: bool, softcap: bool = False,
-                 sinks: bool = False, same_widths: bool = True) -> str:
+                 sinks: bool = False, same_widths: bool = True, groups: bool = False) -> str:
   """The kernel one layer's attention runs: `implementation`, except that cuDNN's fused kernel
   takes no logit cap, nor a document mask beyond CUDNN_MASK_MAX_SEQ tokens or beside sinks or a
   value width of its own: those layers run the blockwise kernel. `cudnn-mask` is cuDNN's kernel
   with the documents as a mask. Sinks (over the kernel's log-sum-exp) and a value width of its
   own (MLA) take cuDNN through jax's cuDNN call (mtjax.attention.cudnn_attention): at 8k tokens
   on an H100 0.97 and 1.00 of cuDNN's plain causal rate, where the blockwise kernel ran 0.10
-  and 0.13 (docs/performance.md, the attention table)."""
+  and 0.13 (docs/performance.md, the attention table). Image groups (causal OR the same image)
+  are no mask cuDNN's causal kernel takes: those layers run the blockwise kernel."""
   if implementation != "cudnn":
     return implementation
-  if softcap or (packed and (seq > CUDNN_MASK_MAX_SEQ or sinks or not same_widths)):
+  if softcap or groups or (packed and (seq > CUDNN_MASK_MAX_SEQ or sinks or not same_widths)):
     return "blockwise"
   return "cudnn-mask" if packed else "cudnn"
 
@@ -304,18 +318,19 @@ def fused_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, segments_BxT=None, *,
 
 def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, segments_BxT, *, implementation: str | None,
            window: int | None = None, softcap_: float | None = None, scale: float | None = None,
-           sinks_N=None):
+           sinks_N=None, groups_BxT=None):
   """Causal attention over the sequence with the layer's options, by the chosen kernel.
 
   cuDNN's fused kernel takes a causal window, packed documents as a [B, 1, T, T] mask up to
   CUDNN_MASK_MAX_SEQ tokens, sinks and a value width of its own (not beside documents); it takes
-  no logit cap: those layers (and longer packed rows) go to the blockwise kernel, which takes them
-  all and never builds a [T x T] tensor. `xla` computes the scores whole (short sequences, the
-  CPU).
+  no logit cap and no image groups (`groups_BxT`, `image_groups`): those layers (and longer
+  packed rows) go to the blockwise kernel, which takes them all and never builds a [T x T]
+  tensor. `xla` computes the scores whole (short sequences, the CPU).
   """
   impl = layer_kernel(implementation, seq=q_BxTxNxH.shape[1], packed=segments_BxT is not None,
                       softcap=softcap_ is not None, sinks=sinks_N is not None,
-                      same_widths=v_BxSxKxV.shape[-1] == q_BxTxNxH.shape[-1])
+                      same_widths=v_BxSxKxV.shape[-1] == q_BxTxNxH.shape[-1],
+                      groups=groups_BxT is not None)
   if impl == "cudnn" and (sinks_N is not None or v_BxSxKxV.shape[-1] != q_BxTxNxH.shape[-1]):
     scale = 1.0 / math.sqrt(q_BxTxNxH.shape[-1]) if scale is None else scale
     return attention.cudnn_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, scale=scale, window=window,
@@ -324,7 +339,7 @@ def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, segments_BxT, *, implementation: str
     return fused_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, segments_BxT, window=window,
                            scale=scale)
   kw = dict(segments_q_BxT=segments_BxT, segments_k_BxS=segments_BxT, causal=True, scale=scale,
-            window=window, softcap=softcap_, sinks_N=sinks_N)
+            window=window, softcap=softcap_, sinks_N=sinks_N, groups_BxT=groups_BxT)
   if impl == "blockwise":
     return attention.blockwise_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, **kw)
   return attention.dense_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxV, **kw)
@@ -399,13 +414,13 @@ class Attention(nn.Module):
                 softcap_=cfg.attn_softcap, scale=cfg.query_scale,
                 sinks_N=self.sinks if cfg.attention_sinks else None)
 
-  def core(self, qkv, segments_BxT):
+  def core(self, qkv, segments_BxT, groups_BxT=None):
     """Attention over the sequence of `qkv`'s queries, keys and values (gated by its gate):
-    [B, T, N * H], before the output projection."""
+    [B, T, N * H], before the output projection; `groups_BxT` the image groups (`image_groups`)."""
     q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, *gate = qkv
     B, T = q_BxTxNxH.shape[:2]
     out = attend(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segments_BxT,
-                 implementation=self.implementation, **self.scoring())
+                 implementation=self.implementation, groups_BxT=groups_BxT, **self.scoring())
     out = out.reshape(B, T, -1)
     return out * jax.nn.sigmoid(gate[0]).astype(out.dtype) if gate else out
 
@@ -416,7 +431,8 @@ class Attention(nn.Module):
     B, T, _ = x_BxTxD.shape
     ctx = Ctx.default(B, T) if ctx is None else ctx
     return self.out(self.core(self.qkv(x_BxTxD, *self.rope(ctx.positions)),
-                              layer_segments(self.cfg, self.layer_type, ctx)))
+                              layer_segments(self.cfg, self.layer_type, ctx),
+                              image_groups(self.cfg, ctx)))
 
 
 def activate(cfg: ModelConfig, gate, up):

@@ -22,7 +22,7 @@ from mtjax.models.registry import Family, FamilyError, Piece, get, register, rot
 
 _TEXT = ("llama", "mistral", "qwen2")  # the text models' model_type mtjax reads
 _PROJECTOR_ACTS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu"}
-_TOWER_ACTS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
+TOWER_ACTS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 # Other spellings of a stored name -> the one the pieces use (applied in order, first match).
 RENAMES = ((r"^(model\.)?vision_tower\.(vision_model\.)?", "vision_tower."),
@@ -52,12 +52,12 @@ def read_tower(vc: dict, where: str, **fields) -> dict:
   """VisionConfig fields of a CLIP or SigLIP vision config (sizes, heads, activation, norm)."""
   r = Reader(vc, where, {"hidden_act": "quick_gelu", "layer_norm_eps": 1e-5, "num_channels": 3})
   act = r.opt("hidden_act")
-  if act not in _TOWER_ACTS:
-    r.refuse("hidden_act", f"the tower's MLP takes {', '.join(_TOWER_ACTS)}")
+  if act not in TOWER_ACTS:
+    r.refuse("hidden_act", f"the tower's MLP takes {', '.join(TOWER_ACTS)}")
   return dict(hidden=r.positive("hidden_size"), heads=r.positive("num_attention_heads"),
               ffn=r.positive("intermediate_size"), image_size=r.positive("image_size"),
               patch=r.positive("patch_size"), channels=r.positive("num_channels"),
-              act=_TOWER_ACTS[act], norm_eps=float(r.positive("layer_norm_eps")), **fields)
+              act=TOWER_ACTS[act], norm_eps=float(r.positive("layer_norm_eps")), **fields)
 
 
 def _read(config: dict, where: str) -> dict:
@@ -104,7 +104,7 @@ def _write(cfg: ModelConfig, dtype: str) -> dict:
            "intermediate_size": v.ffn, "num_hidden_layers": v.layers,
            "num_attention_heads": v.heads, "image_size": v.image_size, "patch_size": v.patch,
            "num_channels": v.channels, "layer_norm_eps": v.norm_eps,
-           "hidden_act": {a: b for b, a in _TOWER_ACTS.items()}[v.act]}
+           "hidden_act": {a: b for b, a in TOWER_ACTS.items()}[v.act]}
   return {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
           "text_config": text, "vision_config": tower, "image_token_id": v.image_token_id,
           "image_seq_length": v.image_tokens, "vision_feature_layer": -1,

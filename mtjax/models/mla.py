@@ -82,13 +82,13 @@ class LatentAttention(nn.Module):
     return dict(window=self.cfg.sliding_window if self.layer_type == "sliding" else None,
                 softcap_=self.cfg.attn_softcap, scale=score_scale(self.cfg), sinks_N=None)
 
-  def core(self, qkv, segments_BxT):
+  def core(self, qkv, segments_BxT, groups_BxT=None):
     """Attention over the sequence of `qkv`'s queries, keys and values: [B, T, N * Dv], before
-    the output projection."""
+    the output projection; `groups_BxT` the image groups (mtjax.models.layers.image_groups)."""
     q_BxTxNxQ, k_BxTxNxQ, v_BxTxNxV = qkv
     B, T = q_BxTxNxQ.shape[:2]
     out = attend(q_BxTxNxQ, k_BxTxNxQ, v_BxTxNxV, segments_BxT, implementation=self.implementation,
-                 **self.scoring())
+                 groups_BxT=groups_BxT, **self.scoring())
     return out.reshape(B, T, -1)
 
   def out(self, a_BxTxE):

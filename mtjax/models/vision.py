@@ -165,7 +165,8 @@ class Projector(nn.Module):
       side, out = v.patches_per_side, math.isqrt(v.image_tokens)
       k = side // out
       g = h_BxMxSxDv.astype(jnp.float32).reshape(B, M, out, k, out, k, Dv).mean((3, 5))
-      g = RMSNorm(cfg.norm_eps, offset=True, name="norm")(g.reshape(B, M, out * out, Dv))
+      # Gemma 3's mm_soft_emb_norm: over the tower's width with the tower's epsilon
+      g = RMSNorm(v.norm_eps, offset=True, name="norm")(g.reshape(B, M, out * out, Dv))
       f = _linear("proj", cfg.hidden, False, self.dtype)(g.astype(self.dtype))
     B, M, P, D = f.shape
     feats_BxFxD = f.reshape(B, M * P, D).astype(x_BxTxD.dtype)
