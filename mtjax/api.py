@@ -73,7 +73,7 @@ def forward(cfg: ModelConfig, params: dict, input_ids, *, dtype=jnp.float32, pos
   if positions is None:
     positions = vision.rope_positions(cfg, np.asarray(input_ids))  # M-RoPE's, else None
   elif cfg.rope.mrope_section and np.ndim(positions) == 3:  # transformers' [3, B, T]
-    positions = np.moveaxis(np.asarray(positions), 0, -1)
+    positions = jnp.moveaxis(jnp.asarray(positions), 0, -1)
   ctx = Ctx(jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) if positions is None
             else jnp.asarray(positions, jnp.int32),
             None if segments is None else jnp.asarray(segments, jnp.int32))

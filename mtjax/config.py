@@ -247,6 +247,13 @@ def upgrade_model_section(raw_model: dict) -> dict:
 TRAINING_KNOBS = ("aux_loss_coef", "z_loss_coef", "capacity_factor", "chunk", "max_images")
 
 
+def run_knobs(section: dict) -> tuple[str, ...]:
+  """The keys of a model section (a dict) a run may set on an imported model: TRAINING_KNOBS,
+  and a Qwen-VL tower's image_size (the run's fixed grid; no weight has its shape)."""
+  qwen = section.get("tower") in ("qwen2_vl", "qwen2_5_vl")
+  return TRAINING_KNOBS + ("image_size",) * qwen
+
+
 def derived_widths(model: dict) -> dict:
   """A model section (a dict) with its derivable widths written one way: kv_heads as the query
   heads where null, head_dim null where it is hidden / heads. Two sections that differ only in
