@@ -249,6 +249,26 @@ def test_both_spellings_of_the_tensors_load_the_same(tmp_path):
   jax.tree.map(np.testing.assert_array_equal, params, base)
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
+def test_the_published_config_layout_reads_the_same(tmp_path, family):
+  """The hub's files (transformers 4): the text model's keys at the top level, M-RoPE as
+  rope_scaling {"type": "mrope"}, rope_theta beside it, the tower's channels as in_chans."""
+  save_qwen(tmp_path, family)
+  cfg, _ = mtjax.load_hf(tmp_path)
+  path = tmp_path / "config.json"
+  config = json.loads(path.read_text())
+  text = config.pop("text_config")
+  rope = text.pop("rope_parameters")
+  text.update(rope_theta=rope["rope_theta"], model_type=config["model_type"],
+              rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
+  tower = config["vision_config"]
+  tower["in_chans"] = tower.pop("in_channels")
+  tower.pop("rope_parameters")
+  path.write_text(json.dumps({**config, **text}))
+  old, _ = mtjax.load_hf(tmp_path)
+  assert old == cfg
+
+
 @pytest.mark.soak
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
 def test_export_reloads_in_transformers(tmp_path, family):
