@@ -34,7 +34,7 @@ import numpy as np
 from mtjax import attention
 from mtjax.config import ModelConfig, VisionConfig
 from mtjax.models.layers import Ctx, RMSNorm, apply_rope
-from mtjax.models.vision import VisionKind, _act, _LayerNorm, _linear
+from mtjax.models.vision import VisionKind, activation, LayerNorm, linear
 
 TOWERS = ("qwen2_vl", "qwen2_5_vl")
 MERGER_EPS = 1e-6  # the merger's norm (transformers fixes it)
@@ -86,7 +86,7 @@ def rotary_tables(v: VisionConfig) -> tuple[jax.Array, jax.Array]:
 
 def _norm(v: VisionConfig, name: str, eps: float):
   """Qwen2.5-VL's RMSNorm, Qwen2-VL's LayerNorm (with a bias)."""
-  return RMSNorm(eps, name=name) if v.tower == "qwen2_5_vl" else _LayerNorm(eps, name=name)
+  return RMSNorm(eps, name=name) if v.tower == "qwen2_5_vl" else LayerNorm(eps, name=name)
 
 
 class PatchEmbed(nn.Module):
@@ -117,7 +117,7 @@ class Block(nn.Module):
     B, M, S, Dv = h_BxMxSxDv.shape
     N, Hd = v.heads, v.hidden // v.heads
     a = _norm(v, "norm1", v.norm_eps)(h_BxMxSxDv).reshape(B * M, S, Dv)
-    qkv = _linear("qkv", 3 * Dv, dtype=self.dtype)(a).reshape(B * M, S, 3, N, Hd)
+    qkv = linear("qkv", 3 * Dv, dtype=self.dtype)(a).reshape(B * M, S, 3, N, Hd)
     cos, sin = (t[None] for t in rotary_tables(v))
     q, k = apply_rope(qkv[:, :, 0], cos, sin), apply_rope(qkv[:, :, 1], cos, sin)
     segments = None
@@ -125,14 +125,14 @@ class Block(nn.Module):
       segments = jnp.broadcast_to(jnp.asarray(window_ids(v), jnp.int32)[None], (B * M, S))
     o = attention.dense_attention(q, k, qkv[:, :, 2], causal=False, segments_q_BxT=segments,
                                   segments_k_BxS=segments).reshape(B, M, S, Dv)
-    h = h_BxMxSxDv + _linear("proj", Dv, dtype=self.dtype)(o)
+    h = h_BxMxSxDv + linear("proj", Dv, dtype=self.dtype)(o)
     m = _norm(v, "norm2", v.norm_eps)(h)
     if v.tower == "qwen2_5_vl":  # a gated MLP with biases
-      gate = _linear("gate", v.ffn, dtype=self.dtype)(m)
-      m = _act(v.act)(gate) * _linear("up", v.ffn, dtype=self.dtype)(m)
-      m = _linear("down", Dv, dtype=self.dtype)(m)
+      gate = linear("gate", v.ffn, dtype=self.dtype)(m)
+      m = activation(v.act)(gate) * linear("up", v.ffn, dtype=self.dtype)(m)
+      m = linear("down", Dv, dtype=self.dtype)(m)
     else:
-      m = _linear("fc2", Dv, dtype=self.dtype)(_act(v.act)(_linear("fc1", v.ffn, dtype=self.dtype)(m)))
+      m = linear("fc2", Dv, dtype=self.dtype)(activation(v.act)(linear("fc1", v.ffn, dtype=self.dtype)(m)))
     return (x_BxTxD, h + m), {}
 
 
@@ -149,8 +149,8 @@ class Merger(nn.Module):
     B, M, S, Dv = h_BxMxSxDv.shape
     U = v.merge ** 2
     g = _norm(v, "ln_q", MERGER_EPS)(h_BxMxSxDv).reshape(B, M, S // U, U * Dv)
-    g = jax.nn.gelu(_linear("fc1", U * Dv, dtype=self.dtype)(g), approximate=False)
-    f = _linear("fc2", self.cfg.hidden, dtype=self.dtype)(g)
+    g = jax.nn.gelu(linear("fc1", U * Dv, dtype=self.dtype)(g), approximate=False)
+    f = linear("fc2", self.cfg.hidden, dtype=self.dtype)(g)
     feats_BxFxD = f.reshape(B, M * (S // U), -1).astype(x_BxTxD.dtype)
     slots_BxT = ctx.image_slots
     taken = jnp.take_along_axis(feats_BxFxD, jnp.maximum(slots_BxT, 0)[..., None], axis=1)
