@@ -19,7 +19,8 @@ import parity
 import safetensors.numpy
 
 import mtjax
-from mtjax import cli, data, engine as engine_lib, hf, launch, models, store as store_lib
+from mtjax import attention, cli, data, engine as engine_lib, hf, launch, models, store as store_lib
+from mtjax.config import VisionConfig
 from mtjax.models import qwen2_5_vl, qwen_vision, vision
 from mtjax.models.layers import Ctx, rope_tables, token_nll
 from numerics import assert_close
@@ -159,6 +160,22 @@ def test_qwen2_5_vl_equals_transformers(tmp_path):
   np.testing.assert_array_equal(streams, np.broadcast_to(np.arange(12)[None, :, None], (1, 12, 3)))
   for a, b in zip(rope_tables(cfg, jnp.asarray(streams)), rope_tables(cfg, jnp.arange(12)[None])):
     np.testing.assert_array_equal(a, b)
+
+
+def test_windows_that_tile_the_grid_are_gathered_to_the_masked_attention():
+  """A window block's attention on a grid its windows tile (8 x 8 patches, windows of 4 x 4)
+  runs per window, and equals the whole image's scores masked to each window (the form this
+  file's transformers parity holds, on a grid the windows do not tile)."""
+  v = VisionConfig(tower="qwen2_5_vl", projector="merger", act="silu", image_size=112,
+                   window=56, hidden=32, heads=4)
+  ids = qwen_vision.window_ids(v)
+  assert np.bincount(ids).tolist() == [16] * 4
+  q, k, val = np.random.default_rng(0).standard_normal((3, 2, 64, 4, 8)).astype(np.float32)
+  segments = np.broadcast_to(ids, (2, 64))
+  want = jax.jit(lambda q, k, val: attention.dense_attention(
+      q, k, val, causal=False, segments_q_BxT=segments, segments_k_BxS=segments))(q, k, val)
+  got = jax.jit(lambda q, k, val: qwen_vision.window_attention(v, q, k, val))(q, k, val)
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
 
 
 @pytest.mark.soak

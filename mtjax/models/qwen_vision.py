@@ -20,8 +20,9 @@ in, mtjax.models.vision.image_inputs).
 transformers reorders the patches window by window before the blocks and back after the merger,
 and splits attention at the windows' boundaries (cu_window_seqlens). Attention is the same for
 any order of its keys, and a window is a whole number of merge windows, so here the patches keep
-the processor's order and a window block masks each query to the keys of its own window: the
-same outputs, no gather, one mask per grid.
+the processor's order between blocks: a window block gathers its windows for its attention and
+puts the patches back (`window_attention`; a grid the windows do not tile masks the whole
+image's scores to each window instead). The same outputs, the order local to one block.
 """
 
 from __future__ import annotations
@@ -73,6 +74,24 @@ def window_ids(v: VisionConfig) -> np.ndarray:
   return (rows // side) * across + cols // side
 
 
+def window_attention(v: VisionConfig, q_BxSxNxH, k_BxSxNxH, v_BxSxNxH) -> jax.Array:
+  """Attention of each patch to the patches of its window, [B, S, N, H]. Windows that tile the
+  grid are gathered into a batch of their own (scores per window, W^2 pairs each); otherwise
+  (smaller windows at the edges) the whole image's scores are masked to each window."""
+  ids = window_ids(v)
+  B, S, N, H = q_BxSxNxH.shape
+  count = int(ids.max()) + 1
+  if S % count or (np.bincount(ids) != S // count).any():
+    segments = jnp.broadcast_to(jnp.asarray(ids, jnp.int32)[None], (B, S))
+    return attention.dense_attention(q_BxSxNxH, k_BxSxNxH, v_BxSxNxH, causal=False,
+                                     segments_q_BxT=segments, segments_k_BxS=segments)
+  order = np.argsort(ids, kind="stable")  # window by window
+  split = lambda a: a[:, order].reshape(B * count, S // count, N, H)
+  o = attention.dense_attention(split(q_BxSxNxH), split(k_BxSxNxH), split(v_BxSxNxH),
+                                causal=False)
+  return o.reshape(B, S, N, H)[:, np.argsort(order)]
+
+
 def rotary_tables(v: VisionConfig) -> tuple[jax.Array, jax.Array]:
   """cos and sin [S, Hd / 2] of the tower's 2D rotary embedding: Hd / 4 frequencies turned by a
   patch's row, then the same by its column."""
@@ -120,11 +139,9 @@ class Block(nn.Module):
     qkv = linear("qkv", 3 * Dv, dtype=self.dtype)(a).reshape(B * M, S, 3, N, Hd)
     cos, sin = (t[None] for t in rotary_tables(v))
     q, k = apply_rope(qkv[:, :, 0], cos, sin), apply_rope(qkv[:, :, 1], cos, sin)
-    segments = None
-    if self.windowed:
-      segments = jnp.broadcast_to(jnp.asarray(window_ids(v), jnp.int32)[None], (B * M, S))
-    o = attention.dense_attention(q, k, qkv[:, :, 2], causal=False, segments_q_BxT=segments,
-                                  segments_k_BxS=segments).reshape(B, M, S, Dv)
+    o = window_attention(v, q, k, qkv[:, :, 2]) if self.windowed else (
+        attention.dense_attention(q, k, qkv[:, :, 2], causal=False))
+    o = o.reshape(B, M, S, Dv)
     h = h_BxMxSxDv + linear("proj", Dv, dtype=self.dtype)(o)
     m = _norm(v, "norm2", v.norm_eps)(h)
     if v.tower == "qwen2_5_vl":  # a gated MLP with biases
