@@ -35,7 +35,7 @@ import numpy as np
 from mtjax import attention
 from mtjax.config import ModelConfig, VisionConfig
 from mtjax.models.layers import Ctx, RMSNorm, apply_rope
-from mtjax.models.vision import VisionKind, activation, LayerNorm, linear
+from mtjax.models.vision import VisionKind
 
 TOWERS = ("qwen2_vl", "qwen2_5_vl")
 MERGER_EPS = 1e-6  # the merger's norm (transformers fixes it)
@@ -103,6 +103,33 @@ def rotary_tables(v: VisionConfig) -> tuple[jax.Array, jax.Array]:
   return jnp.cos(angles_SxR2), jnp.sin(angles_SxR2)
 
 
+ACTIVATIONS = {"silu": jax.nn.silu, "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+               "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+               "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+def linear(name: str, features: int, dtype=None) -> nn.Dense:
+  """A tower linear with a bias: fp32 weights, computing in `dtype`."""
+  return nn.Dense(features, name=name, dtype=dtype, param_dtype=jnp.float32,
+                  kernel_init=nn.initializers.normal(0.02))
+
+
+class LayerNorm(nn.Module):
+  """Qwen2-VL's LayerNorm with a bias, in fp32 (two-pass variance, as torch)."""
+  eps: float
+
+  @nn.compact
+  def __call__(self, x):
+    D = x.shape[-1]
+    scale = self.param("scale", nn.initializers.ones, (D,), jnp.float32)
+    bias = self.param("bias", nn.initializers.zeros, (D,), jnp.float32)
+    h = x.astype(jnp.float32)
+    centred = h - h.mean(-1, keepdims=True)
+    normed = centred * jax.lax.rsqrt(jnp.mean(jnp.square(centred), -1, keepdims=True) + self.eps)
+    shape = (1,) * (x.ndim - 1) + (D,)
+    return (normed * scale.reshape(shape) + bias.reshape(shape)).astype(x.dtype)
+
+
 def _norm(v: VisionConfig, name: str, eps: float):
   """Qwen2.5-VL's RMSNorm, Qwen2-VL's LayerNorm (with a bias)."""
   return RMSNorm(eps, name=name) if v.tower == "qwen2_5_vl" else LayerNorm(eps, name=name)
@@ -146,10 +173,10 @@ class Block(nn.Module):
     m = _norm(v, "norm2", v.norm_eps)(h)
     if v.tower == "qwen2_5_vl":  # a gated MLP with biases
       gate = linear("gate", v.ffn, dtype=self.dtype)(m)
-      m = activation(v.act)(gate) * linear("up", v.ffn, dtype=self.dtype)(m)
+      m = ACTIVATIONS[v.act](gate) * linear("up", v.ffn, dtype=self.dtype)(m)
       m = linear("down", Dv, dtype=self.dtype)(m)
     else:
-      m = linear("fc2", Dv, dtype=self.dtype)(activation(v.act)(linear("fc1", v.ffn, dtype=self.dtype)(m)))
+      m = linear("fc2", Dv, dtype=self.dtype)(ACTIVATIONS[v.act](linear("fc1", v.ffn, dtype=self.dtype)(m)))
     return (x_BxTxD, h + m), {}
 
 

@@ -60,21 +60,19 @@ def group_kinds(cfg: ModelConfig) -> list[tuple[str, VisionKind]]:
           + [("projector", VisionKind("projector"))])
 
 
-def activation(name: str):
-  """The tower MLP's activation of a config name (VisionConfig.act)."""
+def _act(name: str):
   return {"quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
           "gelu": lambda x: jax.nn.gelu(x, approximate=False),
           "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
           "silu": jax.nn.silu}[name]
 
 
-def linear(name: str, features: int, bias: bool = True, dtype=None):
-  """A tower linear: fp32 weights, computing in `dtype`."""
+def _linear(name: str, features: int, bias: bool = True, dtype=None):
   return nn.Dense(features, use_bias=bias, name=name, dtype=dtype, param_dtype=jnp.float32,
                   kernel_init=nn.initializers.normal(0.02))
 
 
-class LayerNorm(nn.Module):
+class _LayerNorm(nn.Module):
   """LayerNorm with a bias, in fp32."""
   eps: float
 
@@ -124,7 +122,7 @@ class VisionEmbed(nn.Module):
     pos = self.param("position", nn.initializers.normal(0.02), (v.seq, v.hidden), jnp.float32)
     h = h + pos.astype(h.dtype)[None, None]
     if clip:
-      h = LayerNorm(v.norm_eps, name="pre_norm")(h)
+      h = _LayerNorm(v.norm_eps, name="pre_norm")(h)
     return (x_BxTxD, h), {}
 
 
@@ -139,13 +137,13 @@ class VisionBlock(nn.Module):
     v = self.v
     B, M, S, Dv = h_BxMxSxDv.shape
     N, Hd = v.heads, v.hidden // v.heads
-    a = LayerNorm(v.norm_eps, name="norm1")(h_BxMxSxDv).reshape(B * M, S, Dv)
-    q, k, val = (linear(n, Dv, dtype=self.dtype)(a).reshape(B * M, S, N, Hd)
+    a = _LayerNorm(v.norm_eps, name="norm1")(h_BxMxSxDv).reshape(B * M, S, Dv)
+    q, k, val = (_linear(n, Dv, dtype=self.dtype)(a).reshape(B * M, S, N, Hd)
                  for n in ("q", "k", "v"))
     o = attention.dense_attention(q, k, val, causal=False).reshape(B, M, S, Dv)
-    h = h_BxMxSxDv + linear("o", Dv, dtype=self.dtype)(o)
-    m = LayerNorm(v.norm_eps, name="norm2")(h)
-    m = linear("fc2", Dv, dtype=self.dtype)(activation(v.act)(linear("fc1", v.ffn, dtype=self.dtype)(m)))
+    h = h_BxMxSxDv + _linear("o", Dv, dtype=self.dtype)(o)
+    m = _LayerNorm(v.norm_eps, name="norm2")(h)
+    m = _linear("fc2", Dv, dtype=self.dtype)(_act(v.act)(_linear("fc1", v.ffn, dtype=self.dtype)(m)))
     return (x_BxTxD, h + m), {}
 
 
@@ -161,17 +159,17 @@ class Projector(nn.Module):
     if v.tower == "clip" and v.drop_cls:
       h_BxMxSxDv = h_BxMxSxDv[:, :, 1:]
     if v.tower == "siglip":
-      h_BxMxSxDv = LayerNorm(v.norm_eps, name="post_norm")(h_BxMxSxDv)
+      h_BxMxSxDv = _LayerNorm(v.norm_eps, name="post_norm")(h_BxMxSxDv)
     if v.projector == "mlp":
-      f = linear("fc1", cfg.hidden, v.projector_bias, self.dtype)(h_BxMxSxDv)
-      f = linear("fc2", cfg.hidden, v.projector_bias, self.dtype)(activation(v.projector_act)(f))
+      f = _linear("fc1", cfg.hidden, v.projector_bias, self.dtype)(h_BxMxSxDv)
+      f = _linear("fc2", cfg.hidden, v.projector_bias, self.dtype)(_act(v.projector_act)(f))
     else:  # Gemma 3: average pool of each image's patch grid, soft-embedding norm, one matrix
       B, M, S, Dv = h_BxMxSxDv.shape
       side, out = v.patches_per_side, math.isqrt(v.image_tokens)
       k = side // out
       g = h_BxMxSxDv.astype(jnp.float32).reshape(B, M, out, k, out, k, Dv).mean((3, 5))
       g = RMSNorm(cfg.norm_eps, offset=True, name="norm")(g.reshape(B, M, out * out, Dv))
-      f = linear("proj", cfg.hidden, False, self.dtype)(g.astype(self.dtype))
+      f = _linear("proj", cfg.hidden, False, self.dtype)(g.astype(self.dtype))
     B, M, P, D = f.shape
     feats_BxFxD = f.reshape(B, M * P, D).astype(x_BxTxD.dtype)
     slots_BxT = ctx.image_slots
