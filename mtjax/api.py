@@ -46,7 +46,7 @@ def load_hf(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
 
 def forward(cfg: ModelConfig, params: dict, input_ids, *, dtype=jnp.float32, positions=None,
             segments=None, attention: str = "xla", logits_dtype=jnp.float32, aux: bool = False,
-            pixel_values=None):
+            pixel_values=None, image_grid_thw=None):
   """The whole model: logits [B, T, V] of `input_ids` [B, T] (`logits_dtype`, float32 unless asked).
 
   Args:
@@ -54,23 +54,31 @@ def forward(cfg: ModelConfig, params: dict, input_ids, *, dtype=jnp.float32, pos
     params: the parameter tree (`load_hf`'s, `LayerStore.to_tree()`'s, or a gradient's).
     input_ids: [B, T] token ids.
     dtype: the weights' and activations' dtype in the layers (bfloat16 for speed).
-    positions: [B, T] RoPE positions (packed documents restart at 0); default 0..T-1.
+    positions: [B, T] RoPE positions (packed documents restart at 0); default 0..T-1. Under
+      M-RoPE (`model.rope.mrope_section`) [3, B, T] as transformers' position_ids, by default
+      from the image tokens as its get_rope_index.
     segments: [B, T] document ids: attention stays within a document; default one per row.
     attention: "xla" (scores whole), "blockwise" (mtjax.attention) or "cudnn".
     aux: also return (auxiliary loss, metrics) of a mixture of experts' routers (0 and {} for a
       dense model): the load-balancing loss the training loss adds.
     pixel_values: a vision-language model's images (model.vision): Hugging Face's [N, C, H, W]
       in the order of the image tokens, or [B, M, C, H, W] per row; their features replace the
-      image tokens' embeddings.
+      image tokens' embeddings. A Qwen-VL tower takes patches: Hugging Face's [N x S, C x
+      frames x patch^2], or [B, M, S, C x frames x patch^2].
+    image_grid_thw: a Qwen-VL model's [N, 3] grids, each checked to be model.vision's fixed one.
   """
   spec = models.spec(cfg)
   ids = jnp.asarray(input_ids, jnp.int32)
   B, T = ids.shape
+  if positions is None:
+    positions = vision.rope_positions(cfg, np.asarray(input_ids))  # M-RoPE's, else None
+  elif cfg.rope.mrope_section and np.ndim(positions) == 3:  # transformers' [3, B, T]
+    positions = jnp.moveaxis(jnp.asarray(positions), 0, -1)
   ctx = Ctx(jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) if positions is None
             else jnp.asarray(positions, jnp.int32),
             None if segments is None else jnp.asarray(segments, jnp.int32))
   if cfg.vision is not None:
-    images, slots = vision.image_inputs(cfg, np.asarray(input_ids), pixel_values)
+    images, slots = vision.image_inputs(cfg, np.asarray(input_ids), pixel_values, image_grid_thw)
     ctx = Ctx(ctx.positions, ctx.segments, jnp.asarray(images), jnp.asarray(slots))
   elif pixel_values is not None:
     raise ValueError(f"pixel_values: model.family {cfg.family} has no vision tower")

@@ -74,7 +74,7 @@ def model_difference(saved: dict | None, model: dict) -> str | None:
     mine, theirs = saved.get(key), model.get(key)
     if isinstance(mine, dict) and isinstance(theirs, dict):  # a section (moe): knobs may differ
       for sub in sorted(mine):
-        if sub not in config_lib.TRAINING_KNOBS and mine.get(sub) != theirs.get(sub):
+        if sub not in config_lib.run_knobs(mine) and mine.get(sub) != theirs.get(sub):
           return (f"model.{key}.{sub}: {mine.get(sub)!r} in the checkpoint, {theirs.get(sub)!r} "
                   f"in this run")
       continue

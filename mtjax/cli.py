@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from mtjax import config, exits, hf, models, objectives
-from mtjax.config import TRAINING_KNOBS, Config, ConfigError
+from mtjax.config import Config, ConfigError, run_knobs
 
 # What --help of a command that reads a config ends with.
 CONFIG_HELP = ("Every config key (train.*, data.*, optim.*, engine.*, model.*) with its type, default "
@@ -56,7 +56,7 @@ def with_hf_model(raw: dict) -> dict:
     if dataclasses.is_dataclass(v) and isinstance(model[k], dict):  # a section: key by key
       section = dataclasses.asdict(v)
       for sub, mine in model[k].items():
-        if sub in section and sub not in TRAINING_KNOBS and section[sub] != _plain(mine):
+        if sub in section and sub not in run_knobs(section) and section[sub] != _plain(mine):
           raise ConfigError(f"model.{k}.{sub}: {mine!r} differs from {directory}/config.json "
                             f"({section[sub]!r}); leave it out")
       merged[k] = {**section, **model[k]}

@@ -109,8 +109,9 @@ class LinearAttentionConfig:
 @dataclasses.dataclass(frozen=True)
 class VisionConfig:
   """A vision tower whose image features replace the image tokens' embeddings (LLaVA's CLIP,
-  Gemma 3's SigLIP): patches embedded, `layers` encoder blocks, a projector to model.hidden."""
-  tower: Literal["clip", "siglip"] = "clip"  # CLIP (a class token, a LayerNorm before the blocks) or SigLIP (a conv bias, a LayerNorm after them)
+  Gemma 3's SigLIP, Qwen2-VL's and Qwen2.5-VL's): patches embedded, `layers` encoder blocks, a
+  projector to model.hidden."""
+  tower: Literal["clip", "siglip", "qwen2_vl", "qwen2_5_vl"] = "clip"  # CLIP (a class token, a LayerNorm before the blocks), SigLIP (a conv bias, a LayerNorm after them), Qwen2-VL (2D RoPE, LayerNorms, a quick-gelu MLP) or Qwen2.5-VL (2D RoPE, RMSNorms, a gated MLP, window attention)
   hidden: int = 32  # the tower's width
   layers: int = 2  # encoder blocks the features are taken after (a checkpoint's later blocks are not run)
   heads: int = 4  # attention heads of each block
@@ -118,16 +119,21 @@ class VisionConfig:
   image_size: int = 28  # pixels on each side of an image (the processor's output)
   patch: int = 14  # pixels on each side of a patch
   channels: int = 3  # colour channels
-  act: Literal["quick_gelu", "gelu", "gelu_tanh"] = "quick_gelu"  # the blocks' MLP activation
+  act: Literal["quick_gelu", "gelu", "gelu_tanh", "silu"] = "quick_gelu"  # the blocks' MLP activation
   norm_eps: float = 1e-5  # the tower's LayerNorm epsilon
   drop_cls: bool = True  # features without the class token (LLaVA's "default" strategy); clip only
-  projector: Literal["mlp", "pool"] = "mlp"  # two linears with an activation (LLaVA), or average-pooled patches, an RMSNorm and one matrix (Gemma 3)
+  projector: Literal["mlp", "pool", "merger"] = "mlp"  # two linears with an activation (LLaVA), average-pooled patches, an RMSNorm and one matrix (Gemma 3), or a norm then merge x merge patches concatenated through two linears (Qwen-VL)
   projector_act: Literal["gelu", "gelu_tanh", "silu"] = "gelu"  # mlp only: the activation between its linears
   projector_bias: bool = True  # mlp only: biases on its linears
   tokens_per_image: int | None = None  # pool only: image tokens after pooling (a square number); None: every patch
   image_token_id: int = 0  # the text token each image feature replaces
   max_images: int = 1  # image slots per sequence (a static shape: rows with fewer images pad them); 0: text-only batches, the tower computing nothing
   image_attention: Literal["causal", "bidirectional"] = "causal"  # how the decoder's image tokens attend: causally as text (LLaVA), or each image's whole run of tokens to each other (Gemma 3, as transformers computes it given token_type_ids)
+  temporal_patch: int = 2  # qwen towers: frames per patch (a still image repeats itself)
+  merge: int = 2  # qwen towers: merge x merge neighbouring patches become one image token
+  window: int | None = None  # qwen2_5_vl: the side of an attention window in pixels (window_size); None: every block attends to the whole image
+  full_blocks: tuple[int, ...] = ()  # qwen2_5_vl with a window: the blocks that attend to the whole image (fullatt_block_indexes)
+  rope_theta: float = 10000.0  # qwen towers: the base of the 2D rotary embedding
 
   def __post_init__(self):
     _positive(self, "hidden", "layers", "heads", "ffn", "image_size", "patch", "channels",
@@ -140,6 +146,21 @@ class VisionConfig:
     if self.image_size % self.patch:
       raise ConfigError(f"model.vision.patch: {self.patch} does not divide "
                         f"model.vision.image_size ({self.image_size})")
+    qwen = self.tower in ("qwen2_vl", "qwen2_5_vl")
+    if qwen != (self.projector == "merger"):
+      raise ConfigError(f"model.vision.projector: {self.projector} with tower {self.tower} (the "
+                        "merger is the qwen towers' projector, and theirs only)")
+    if qwen:
+      _positive(self, "temporal_patch", "merge", "rope_theta", section="model.vision.")
+      if self.patches_per_side % self.merge:
+        raise ConfigError(f"model.vision.image_size: {self.image_size} is not a multiple of "
+                          f"patch x merge = {self.patch * self.merge}")
+    if self.window is not None and (self.tower != "qwen2_5_vl" or self.window < self.patch * self.merge):
+      raise ConfigError(f"model.vision.window: {self.window} needs tower qwen2_5_vl and at least "
+                        f"patch x merge = {self.patch * self.merge} pixels")
+    if any(not 0 <= b < self.layers for b in self.full_blocks) or (self.full_blocks and self.window is None):
+      raise ConfigError(f"model.vision.full_blocks: {list(self.full_blocks)} must be blocks "
+                        f"0..{self.layers - 1} of a tower with a window")
     if self.tokens_per_image is not None:
       side = math.isqrt(self.tokens_per_image)
       if self.projector != "pool" or side * side != self.tokens_per_image or self.patches_per_side % side:
@@ -159,6 +180,8 @@ class VisionConfig:
   @property
   def image_tokens(self) -> int:
     """Text positions one image fills: its projected features."""
+    if self.projector == "merger":
+      return (self.patches_per_side // self.merge) ** 2
     if self.projector == "pool":
       return self.tokens_per_image or self.patches_per_side ** 2
     return self.seq - (self.tower == "clip" and self.drop_cls)
@@ -184,6 +207,7 @@ class RopeConfig:
   partial: float = 1.0  # share of each head's channels RoPE rotates (partial_rotary_factor)
   interleave: bool = False  # rotate channel pairs (2i, 2i + 1) instead of (i, i + R/2) (GLM-4, Cohere, Llama 4)
   local_theta: float | None = None  # RoPE base of sliding layers, without scaling (Gemma 3)
+  mrope_section: tuple[int, ...] = ()  # M-RoPE (Qwen-VL): frequencies rotated by the temporal, height and width positions, in that order from the lowest; () plain RoPE
 
   def __post_init__(self):
     _positive(self, "theta", "factor", "beta_fast", "beta_slow", "original_max_len")
@@ -192,6 +216,9 @@ class RopeConfig:
         raise ConfigError(f"model.rope.{key}: {getattr(self, key)} must be > 0 or null")
     if not 0 < self.partial <= 1:
       raise ConfigError(f"model.rope.partial: {self.partial} must be in (0, 1]")
+    if self.mrope_section and (len(self.mrope_section) != 3 or min(self.mrope_section) < 0):
+      raise ConfigError(f"model.rope.mrope_section: {list(self.mrope_section)} must be three "
+                        "frequency counts (temporal, height, width)")
 
 
 def upgrade_model_section(raw_model: dict) -> dict:
@@ -224,6 +251,13 @@ def upgrade_model_section(raw_model: dict) -> dict:
 # bidirectionally given token_type_ids, causally without.)
 TRAINING_KNOBS = ("aux_loss_coef", "z_loss_coef", "capacity_factor", "chunk", "max_images",
                   "image_attention")
+
+
+def run_knobs(section: dict) -> tuple[str, ...]:
+  """The keys of a model section (a dict) a run may set on an imported model: TRAINING_KNOBS,
+  and a Qwen-VL tower's image_size (the run's fixed grid; no weight has its shape)."""
+  qwen = section.get("tower") in ("qwen2_vl", "qwen2_5_vl")
+  return TRAINING_KNOBS + ("image_size",) * qwen
 
 
 def derived_widths(model: dict) -> dict:
@@ -358,6 +392,9 @@ class ModelConfig:
         raise ConfigError(f"model.rope.short_factor / long_factor: longrope needs {half} values "
                           f"each (half the {self.rotary_dim} RoPE channels), got "
                           f"{len(rope.short_factor)} and {len(rope.long_factor)}")
+    if rope.mrope_section and sum(rope.mrope_section) != self.rotary_dim // 2:
+      raise ConfigError(f"model.rope.mrope_section: {list(rope.mrope_section)} must sum to the "
+                        f"{self.rotary_dim // 2} RoPE frequencies (half of {self.rotary_dim})")
     if self.vision is not None and not 0 <= self.vision.image_token_id < self.vocab_size:
       raise ConfigError(f"model.vision.image_token_id: {self.vision.image_token_id} is not a token "
                         f"id (vocab_size {self.vocab_size})")

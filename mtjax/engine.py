@@ -349,6 +349,12 @@ class Engine:
     rows, scalars = (head_inputs or self.objective.head_inputs)(batch)
     pos = getattr(batch, "positions", None)
     seg = getattr(batch, "segments", None)
+    mrope = self._mrope(batch)
+    if mrope is not None:
+      if seg is not None or (pos is not None and (np.asarray(pos) != np.arange(T)).any()):
+        raise ValueError("batch.positions: an M-RoPE model's positions come from its image "
+                         "tokens (model.rope.mrope_section); packed documents are unsupported")
+      pos = mrope
     if pos is None:
       pos = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
     out = []
@@ -369,6 +375,13 @@ class Engine:
       return None
     try:
       return vision.image_inputs(self.cfg.model, batch.inputs, getattr(batch, "images", None))
+    except ValueError as e:
+      raise ValueError(f"batch: {e}") from None
+
+  def _mrope(self, batch: Batch) -> np.ndarray | None:
+    """M-RoPE positions [B, T, 3] (mtjax.models.vision.rope_positions), None without M-RoPE."""
+    try:
+      return vision.rope_positions(self.cfg.model, batch.inputs)
     except ValueError as e:
       raise ValueError(f"batch: {e}") from None
 

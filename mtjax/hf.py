@@ -28,7 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from mtjax import models
-from mtjax.config import TRAINING_KNOBS, ModelConfig, derived_widths
+from mtjax.config import ModelConfig, derived_widths, run_knobs
 from mtjax.models import FamilyError, Piece, Stored
 
 
@@ -402,8 +402,8 @@ def _export_config(cfg: ModelConfig, dtype: str, source_dir) -> dict:
       continue
     if dataclasses.is_dataclass(mine[key]) and dataclasses.is_dataclass(theirs[key]):
       ours, file = (dataclasses.asdict(x) for x in (mine[key], theirs[key]))  # a section
-      if {k: v for k, v in ours.items() if k not in TRAINING_KNOBS} == {
-          k: v for k, v in file.items() if k not in TRAINING_KNOBS}:
+      if {k: v for k, v in ours.items() if k not in run_knobs(ours)} == {
+          k: v for k, v in file.items() if k not in run_knobs(ours)}:
         continue
     if key not in _NOT_ARCHITECTURE and mine[key] != theirs[key]:
       raise HFError(f"{where}: gives model.{key}={value!r}, the weights have "

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from mtjax import models
 from mtjax.config import EngineConfig, ModelConfig
-from mtjax.models import grouped, layers
+from mtjax.models import grouped, layers, vision
 from mtjax.models.layers import Ctx, token_nll
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -325,12 +325,13 @@ def shaped_calls(programs: Programs, rows: int, seq: int, device: jax.Device,
   sh = jax.sharding.SingleDeviceSharding(device)
   S = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
   x, tok = S((rows, seq, cfg.hidden), cd), S((rows, seq), jnp.int32)
-  ctx = Ctx(tok, tok if documents else None)
+  pos = S((rows, seq, 3), jnp.int32) if cfg.rope.mrope_section else tok  # M-RoPE: 3 streams
+  ctx = Ctx(pos, tok if documents else None)
   pair = None
   if cfg.vision is not None:  # the tower's layers carry (x, features) and read the images
     v = cfg.vision
-    ctx = Ctx(tok, ctx.segments, S((rows, v.max_images, v.channels, v.image_size, v.image_size),
-                                   jnp.float32), tok)
+    ctx = Ctx(pos, ctx.segments, S((rows, v.max_images, *vision.image_shape(v)), jnp.float32),
+              tok)
     pair = (x, S((rows, v.max_images, v.seq, v.hidden), cd))
   w = {k: S((lay.size,), jnp.float32) for k, lay in spec.layouts.items()}
   table = w["embed"] if cfg.tie_embeddings else None
@@ -341,7 +342,7 @@ def shaped_calls(programs: Programs, rows: int, seq: int, device: jax.Device,
   }
   for kind in spec.kinds:
     fwd, bwd = programs.block_fwd[kind], programs.block_bwd[kind]
-    inp = pair if kind in ("vision", "projector") else x
+    inp = pair if kind in vision.KINDS[1:] else x
     out, daux = jax.eval_shape(fwd, w[kind], inp, ctx)
     dy = jax.tree.map(lambda a: S(a.shape, a.dtype), out)
     calls[f"{kind} forward"] = (fwd, (w[kind], inp, ctx))

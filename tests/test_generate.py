@@ -49,6 +49,8 @@ DEEPSEEK = dict(S, hidden_size=64, moe_intermediate_size=32, first_k_dense_repla
                                      mscale_all_dim=1.0, beta_fast=32, beta_slow=1))
 # One layer where the layers would all be of one kind (or a mixture's: the dense MLP is Llama's).
 ONE = {"num_hidden_layers": 1}
+QWEN_VL_TEXT = dict(S, rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1],
+                                       "rope_theta": 10000.0})
 # Every family's tiny config (windows of 3-5 in sequences of 16 tokens).
 CONFIGS = {
     "llama": lambda: T.LlamaConfig(**S),
@@ -68,6 +70,15 @@ CONFIGS = {
         vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                            num_attention_heads=2, image_size=28, patch_size=14),
         mm_tokens_per_image=4, image_token_index=S["vocab_size"] - 1),
+    "qwen2_5_vl": lambda: T.Qwen2_5_VLConfig(
+        vision_config=dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2,
+                           out_hidden_size=32, window_size=56, fullatt_block_indexes=[1]),
+        text_config=QWEN_VL_TEXT, image_token_id=S["vocab_size"] - 1,
+        video_token_id=S["vocab_size"] - 2),
+    "qwen2_vl": lambda: T.Qwen2VLConfig(
+        vision_config=dict(depth=2, embed_dim=16, mlp_ratio=2, num_heads=2, hidden_size=32),
+        text_config=QWEN_VL_TEXT, image_token_id=S["vocab_size"] - 1,
+        video_token_id=S["vocab_size"] - 2),
     "llava": lambda: T.LlavaConfig(
         vision_config=T.CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                          num_attention_heads=2, image_size=28, patch_size=14),
@@ -122,7 +133,7 @@ CONFIGS = {
 }
 # Families whose layers have no decoding cache: generate refuses them in one line.
 UNCACHED = ("qwen3_next",)
-VISION = ("gemma3_vl", "llava")  # an image tower and projector: refused by generate
+VISION = ("gemma3_vl", "llava", "qwen2_5_vl", "qwen2_vl")  # an image tower and projector: refused by generate
 
 
 def _llama4():

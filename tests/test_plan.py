@@ -673,6 +673,12 @@ def test_the_arithmetic_count_is_the_layouts_for_every_shipped_shape():
         f"model.vision.tokens_per_image={tokens or 'null'}",
         "model.vision.projector_bias=false"]).model
     assert plan.count_params(m) == plan.param_counts(m)["total"], (tower, projector)
+  for tower, window in [("qwen2_5_vl", 112), ("qwen2_vl", None)]:  # Qwen-VL's towers and merger
+    m = config.load(CONFIGS / "llava_7b.yaml", [
+        f"model.vision.tower={tower}", "model.vision.projector=merger",
+        f"model.vision.window={window or 'null'}", "model.vision.act=silu",
+        f"model.vision.full_blocks=[{'3' if window else ''}]"]).model
+    assert plan.count_params(m) == plan.param_counts(m)["total"], tower
 
 
 def test_the_plan_counts_the_checkpoints_a_run_writes_and_shows_only_the_files_it_writes(tmp_path):

@@ -18,6 +18,7 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mtjax import attention
 from mtjax.config import ModelConfig, RopeConfig
@@ -117,14 +118,21 @@ def rope_tables(cfg: ModelConfig, positions_BxT: jax.Array, layer_type: str = "f
 
   Per-token inputs of the q/k projections, computed once per sequence (not per tile).
   `longrope` takes its long factors when the longest position exceeds the pre-training length,
-  as transformers decides per batch.
+  as transformers decides per batch. With `rope.mrope_section` (M-RoPE) positions may be
+  [B, T, 3] (temporal, height, width): each frequency turns by the position of its section's
+  stream; [B, T] positions turn all three alike, which is plain RoPE.
   """
   r = cfg.rope
   inv_freq, factor = rope_inv_freq(cfg, layer_type)
   if r.scaling == "longrope" and not (layer_type == "sliding" and r.local_theta):
     long = jnp.max(positions_BxT) + 1 > r.original_max_len
     inv_freq = jnp.where(long, rope_inv_freq(cfg, layer_type, long=True)[0], inv_freq)
-  angles_BxTxR2 = positions_BxT.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
+  if positions_BxT.ndim == 3:  # M-RoPE: frequency j takes the stream its section names
+    stream_R2 = np.repeat(np.arange(3), r.mrope_section)
+    positions_BxTxR2 = positions_BxT.astype(jnp.float32)[..., stream_R2]
+    angles_BxTxR2 = positions_BxTxR2 * inv_freq[None, None, :]
+  else:
+    angles_BxTxR2 = positions_BxT.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
   return jnp.cos(angles_BxTxR2) * factor, jnp.sin(angles_BxTxR2) * factor
 
 
@@ -161,7 +169,7 @@ class Ctx:
   document (None: each row is one document). The per-token loss weights live with the head's
   targets, not here: blocks never see them.
   """
-  positions: jax.Array  # [B, T] int32
+  positions: jax.Array  # [B, T] int32; [B, T, 3] (temporal, height, width) under M-RoPE
   segments: jax.Array | None = None  # [B, T] int32 document ids, or None
   images: jax.Array | None = None  # [B, M, C, H, W] pixels of each row's image slots (model.vision)
   image_slots: jax.Array | None = None  # [B, T] int32 the image feature each position takes, -1: none

@@ -34,7 +34,8 @@ from mtjax import attention
 from mtjax.config import ModelConfig, VisionConfig
 from mtjax.models.layers import Ctx, RMSNorm
 
-KINDS = ("vision_embed", "vision", "projector")  # the tower's layer kinds, in forward order
+# the towers' layer kinds, in forward order (vision_window: mtjax.models.qwen_vision's)
+KINDS = ("vision_embed", "vision", "vision_window", "projector")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,8 @@ def group_kinds(cfg: ModelConfig) -> list[tuple[str, VisionKind]]:
   v = cfg.vision
   if v is None:
     return []
+  if _qwen(v):
+    return qwen_vision.group_kinds(cfg)
   return ([("vision_embed", VisionKind("vision_embed"))]
           + [(f"vision_block_{i}", VisionKind("vision")) for i in range(v.layers)]
           + [("projector", VisionKind("projector"))])
@@ -177,6 +180,8 @@ class Projector(nn.Module):
 
 def module(cfg: ModelConfig, kind: str, dtype=jnp.float32) -> nn.Module:
   """The flax module of a tower layer kind."""
+  if _qwen(cfg.vision):
+    return qwen_vision.module(cfg, kind, dtype)
   if kind == "vision_embed":
     return VisionEmbed(cfg.vision, dtype)
   if kind == "vision":
@@ -190,7 +195,7 @@ def sample_carry(cfg: ModelConfig, kind: str, batch: int = 1, seq: int = 2):
   v = cfg.vision
   x = jnp.zeros((batch, seq, cfg.hidden), jnp.float32)
   ctx = Ctx(jnp.zeros((batch, seq), jnp.int32), None,
-            jnp.zeros((batch, v.max_images, v.channels, v.image_size, v.image_size), jnp.float32),
+            jnp.zeros((batch, v.max_images, *image_shape(v)), jnp.float32),
             jnp.full((batch, seq), -1, jnp.int32))
   if kind == "vision_embed":
     return x, ctx
@@ -200,6 +205,8 @@ def sample_carry(cfg: ModelConfig, kind: str, batch: int = 1, seq: int = 2):
 def forward_flops(cfg: ModelConfig, kind: str, batch: int) -> float:
   """One tower group's forward FLOPs over a batch of `batch` rows (every image slot computed)."""
   v = cfg.vision
+  if _qwen(v):
+    return qwen_vision.forward_flops(cfg, kind, batch)
   images = batch * v.max_images
   S, Dv = v.seq, v.hidden
   if kind == "vision_embed":
@@ -211,16 +218,44 @@ def forward_flops(cfg: ModelConfig, kind: str, batch: int) -> float:
   return 2.0 * images * P * first
 
 
-def image_inputs(cfg: ModelConfig, input_ids_BxT, images=None) -> tuple[np.ndarray, np.ndarray]:
-  """(images [B, M, C, H, W], image slots [B, T]) on the host: the k-th image token of a row takes
-  the k-th feature of its row's images in order. `images` is [B, M, C, H, W], or Hugging Face's
-  `pixel_values` [N, C, H, W] of the whole batch in the order of its image tokens; None where
-  no row has image tokens. Raises ValueError, naming the row, where they do not match."""
+def image_shape(v: VisionConfig) -> tuple[int, ...]:
+  """One image slot's shape in `ctx.images`: pixels [C, H, W], or a qwen tower's patches [S, C x
+  frames x patch^2] (mtjax.models.qwen_vision)."""
+  if _qwen(v):
+    return (v.seq, qwen_vision.patch_width(v))
+  return (v.channels, v.image_size, v.image_size)
+
+
+def rope_positions(cfg: ModelConfig, input_ids_BxT) -> np.ndarray | None:
+  """M-RoPE positions [B, T, 3] of a model whose RoPE has `mrope_section`s (from its image
+  tokens, mtjax.models.qwen_vision.rope_positions); None for any other."""
+  if not cfg.rope.mrope_section:
+    return None
+  return qwen_vision.rope_positions(cfg, input_ids_BxT)
+
+
+def image_inputs(cfg: ModelConfig, input_ids_BxT, images=None, image_grid_thw=None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+  """(images [B, M, *image_shape], image slots [B, T]) on the host: the k-th image token of a row
+  takes the k-th feature of its row's images in order. `images` is [B, M, *image_shape], or
+  Hugging Face's `pixel_values` of the whole batch in the order of its image tokens ([N, C, H, W];
+  a qwen tower's [N x S, C x frames x patch^2], its `image_grid_thw` checked to be the configured
+  grid); None where no row has image tokens. Raises ValueError, naming the row, where they do
+  not match."""
   v = cfg.vision
   ids = np.asarray(input_ids_BxT)
   B, T = ids.shape
   P, M = v.image_tokens, v.max_images
-  shape = (B, M, v.channels, v.image_size, v.image_size)
+  shape = (B, M, *image_shape(v))
+  if image_grid_thw is not None:
+    if not _qwen(v):
+      raise ValueError(f"image_grid_thw: a {v.tower} tower takes images of one fixed size")
+    qwen_vision.check_grids(v, image_grid_thw)
+  if _qwen(v) and images is not None and np.ndim(images) == 2:  # HF's patches, images in a row
+    if np.shape(images)[0] % v.seq:
+      raise ValueError(f"pixel_values: {np.shape(images)[0]} patches, not whole images of "
+                       f"{v.seq} (model.vision.image_size {v.image_size})")
+    images = np.asarray(images).reshape(-1, *image_shape(v))
   is_image = ids == v.image_token_id
   counts = is_image.sum(1)
   room = M * P
@@ -234,7 +269,7 @@ def image_inputs(cfg: ModelConfig, input_ids_BxT, images=None) -> tuple[np.ndarr
                        "but no images")
     images = np.zeros(shape, np.float32)
   images = np.asarray(images, np.float32)
-  if images.ndim == 4:  # Hugging Face's pixel_values: the images in token order, rows flattened
+  if images.ndim == len(shape) - 1:  # Hugging Face's pixel_values: images in token order
     if (counts % P).any():
       row = int(np.argmax(counts % P > 0))
       raise ValueError(f"row {row}: {int(counts[row])} image tokens, not whole images of {P}")
@@ -247,7 +282,14 @@ def image_inputs(cfg: ModelConfig, input_ids_BxT, images=None) -> tuple[np.ndarr
       out[b, :counts[b] // P] = images[first[b]:first[b + 1]]
     images = out
   if images.shape != shape:
-    raise ValueError(f"images: expected shape {shape} (B, model.vision.max_images, C, H, W), got "
+    raise ValueError(f"images: expected shape {shape} (B, model.vision.max_images, ...), got "
                      f"{images.shape}")
   slots = np.where(is_image, np.cumsum(is_image, axis=1) - 1, -1).astype(np.int32)
   return images, slots
+
+
+def _qwen(v: VisionConfig) -> bool:
+  return v.tower in ("qwen2_vl", "qwen2_5_vl")
+
+
+from mtjax.models import qwen_vision  # noqa: E402  (it builds on this module's pieces)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from mtjax import config as config_lib, models
+from mtjax.models import qwen_vision
 
 def param_counts(m: config_lib.ModelConfig) -> dict[str, int]:
   """Parameters: `total`, `active` per token (a mixture's unchosen experts left out), and one
@@ -66,6 +67,8 @@ def _tower_params(m: config_lib.ModelConfig) -> int:
   v = m.vision
   if v is None:
     return 0
+  if v.projector == "merger":  # a Qwen-VL tower
+    return qwen_vision.params(m)
   Dv, F, D = v.hidden, v.ffn, m.hidden
   clip, siglip = v.tower == "clip", v.tower == "siglip"
   embed = v.channels * v.patch ** 2 * Dv + v.seq * Dv + 3 * Dv * clip + Dv * siglip
