@@ -70,8 +70,8 @@ def forward(cfg: ModelConfig, params: dict, input_ids, *, dtype=jnp.float32, pos
   spec = models.spec(cfg)
   ids = jnp.asarray(input_ids, jnp.int32)
   B, T = ids.shape
-  if positions is None:
-    positions = vision.rope_positions(cfg, np.asarray(input_ids))  # M-RoPE's, else None
+  if positions is None and cfg.rope.mrope_section:  # M-RoPE's from the image tokens (concrete ids)
+    positions = vision.rope_positions(cfg, np.asarray(input_ids))
   elif cfg.rope.mrope_section and np.ndim(positions) == 3:  # transformers' [3, B, T]
     positions = jnp.moveaxis(jnp.asarray(positions), 0, -1)
   ctx = Ctx(jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) if positions is None
