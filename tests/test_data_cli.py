@@ -52,6 +52,17 @@ def test_the_readme_prepare_commands_run_as_written(tmp_path):
   (tmp_path / "alpaca.json").write_text(json.dumps(ALPACA))
   pq.write_table(pa.table({"conversations": SHAREGPT}), tmp_path / "chats.parquet")
   (tmp_path / "prefs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in PREFS))
+  # a LLaVA directory's tokenizer and processor, and one image chat
+  import test_data_images as di
+  from test_chat import SPECIALS
+  di.write_processor(make_tokenizer(tmp_path / "LLAVA", template=di.TEMPLATE,
+                                    specials=SPECIALS + ["<image>"]))
+  di.save_images(tmp_path)
+  (tmp_path / "image_chats.jsonl").write_text("".join(json.dumps({"messages": [
+      {"role": "user", "content": [{"type": "image", "image": f"imgs/{name}"},
+                                   {"type": "text", "text": "What is this?"}]},
+      {"role": "assistant", "content": f"Picture {name}."}]}) + "\n"
+      for name in ("a.png", "b.png", "c.jpg")))
   env = {**os.environ, "PYTHONPATH": str(Path(data.__file__).parents[2])}
   for command in commands:
     argv = shlex.split(command)

@@ -37,6 +37,16 @@ class BlockKind:
             + ("" if self.rope else "_nope") + ("_moe" if self.moe else ""))
 
 
+@dataclasses.dataclass(frozen=True)
+class VisionKind:
+  """A tower layer kind; reads like a BlockKind where the rest of mtjax asks one (no experts, no
+  RoPE, no decoder attention)."""
+  name: str
+  layer_type: str = "vision"
+  moe: bool = False
+  rope: bool = False
+
+
 def block_kind(cfg: ModelConfig, i: int) -> BlockKind:
   return BlockKind(cfg.layer_type(i), cfg.is_moe_layer(i), cfg.uses_rope(i))
 

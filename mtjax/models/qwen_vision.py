@@ -34,8 +34,7 @@ import numpy as np
 
 from mtjax import attention
 from mtjax.config import ModelConfig, VisionConfig
-from mtjax.models.layers import Ctx, RMSNorm, apply_rope
-from mtjax.models.vision import VisionKind
+from mtjax.models.layers import Ctx, RMSNorm, VisionKind, apply_rope
 
 TOWERS = ("qwen2_vl", "qwen2_5_vl")
 MERGER_EPS = 1e-6  # the merger's norm (transformers fixes it)

@@ -22,7 +22,6 @@ index of the feature it takes among its row's M x image_tokens, or -1 for a text
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import flax.linen as nn
@@ -32,20 +31,11 @@ import numpy as np
 
 from mtjax import attention
 from mtjax.config import ModelConfig, VisionConfig
-from mtjax.models.layers import Ctx, RMSNorm
+from mtjax.models import qwen_vision
+from mtjax.models.layers import Ctx, RMSNorm, VisionKind
 
 # the towers' layer kinds, in forward order (vision_window: mtjax.models.qwen_vision's)
 KINDS = ("vision_embed", "vision", "vision_window", "projector")
-
-
-@dataclasses.dataclass(frozen=True)
-class VisionKind:
-  """A tower layer kind; reads like a BlockKind where the rest of mtjax asks one (no experts, no
-  RoPE, no decoder attention)."""
-  name: str
-  layer_type: str = "vision"
-  moe: bool = False
-  rope: bool = False
 
 
 def group_kinds(cfg: ModelConfig) -> list[tuple[str, VisionKind]]:
@@ -290,6 +280,3 @@ def image_inputs(cfg: ModelConfig, input_ids_BxT, images=None, image_grid_thw=No
 
 def _qwen(v: VisionConfig) -> bool:
   return v.tower in ("qwen2_vl", "qwen2_5_vl")
-
-
-from mtjax.models import qwen_vision  # noqa: E402  (it builds on this module's pieces)
