@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).parent
 
 
+@pytest.mark.soak  # six engine cases in a process of four simulated devices: a minute of CPU
 def test_data_parallel_cases_on_four_simulated_devices():
   env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
                                      + " --xla_force_host_platform_device_count=4").strip()}
