@@ -48,6 +48,7 @@ def assert_hf_directory(path: Path, vocab: int):
   assert (path / "tokenizer.json").is_file()
 
 
+@pytest.mark.soak  # half a minute of CPU; the README's tiny run pretrains in the default run
 def test_pretrain_text(tmp_path):
   s, work = run_example("pretrain_text.py", tmp_path)
   assert len(s["held_out"]) >= 2 and s["held_out_after"] < s["held_out_before"]
