@@ -56,8 +56,8 @@ def vision(image_id, **kw):
 
 
 def hf_processor(model_dir, monkeypatch, **image):
-  """Qwen2_5_VLProcessor whose min_pixels = max_pixels = SIDE^2 (no video processor: it needs
-  torchvision)."""
+  """Qwen2_5_VLProcessor whose min_pixels = max_pixels = SIDE^2 unless `image` says otherwise
+  (no video processor: it needs torchvision)."""
   transformers = pytest.importorskip("transformers")
   from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
   from transformers.processing_utils import ProcessorMixin
@@ -69,8 +69,9 @@ def hf_processor(model_dir, monkeypatch, **image):
       extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
                             "vision_start_token": "<|vision_start|>",
                             "vision_end_token": "<|vision_end|>"})
-  images = Qwen2VLImageProcessorPil(patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2,
-                                    min_pixels=SIDE * SIDE, max_pixels=SIDE * SIDE, **image)
+  images = Qwen2VLImageProcessorPil(**{**dict(
+      patch_size=PATCH, merge_size=MERGE, temporal_patch_size=2, min_pixels=SIDE * SIDE,
+      max_pixels=SIDE * SIDE), **image})
   return transformers.Qwen2_5_VLProcessor(images, tok, None, chat_template=TEMPLATE)
 
 
