@@ -130,7 +130,8 @@ def test_fixed_size_qwen_chats_equal_the_qwen2_5_vl_processor(tmp_path, model_di
 
 def test_min_pixels_equal_to_max_pixels_pin_the_size(tmp_path, model_dir):
   """A processor whose min_pixels = max_pixels = N^2 (N a multiple of patch x merge) prepares at
-  N without --image-size; --image-size overrides it."""
+  N without --image-size; --image-size overrides it; Qwen2-VL's processor prepares as
+  Qwen2.5-VL's."""
   pinned = tmp_path / "pinned"
   shutil.copytree(model_dir, pinned)
   write_processor(pinned, size={"shortest_edge": 84 * 84, "longest_edge": 84 * 84})
@@ -140,6 +141,15 @@ def test_min_pixels_equal_to_max_pixels_pin_the_size(tmp_path, model_dir):
   meta = data.prepare(pinned, tmp_path / "b", [f], val_fraction=0, progress=False,
                       image_size=SIDE)
   assert (meta["images"]["height"], meta["images"]["tokens_per_image"]) == (SIDE, 4)
+  qwen2 = tmp_path / "qwen2"
+  shutil.copytree(model_dir, qwen2)
+  write_processor(qwen2, processor_class="Qwen2VLProcessor")
+  meta = data.prepare(qwen2, tmp_path / "c", [f], val_fraction=0, progress=False,
+                      image_size=SIDE)
+  assert meta["images"]["family"] == "qwen2_vl"
+  for x, y in zip(docs(tmp_path / "b"), docs(tmp_path / "c"), strict=True):
+    for u, v in zip(x, y):
+      np.testing.assert_array_equal(u, v)
 
 
 def test_bad_sizes_and_mixed_processors_are_refused_in_one_line(tmp_path, model_dir):
