@@ -230,7 +230,7 @@ TOWER = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=4, out_hid
              window_size=28, fullatt_block_indexes=[1], patch_size=PATCH, spatial_merge_size=MERGE)
 
 
-@pytest.mark.soak  # about a minute on two shared CPU cores: the tower's and the text model's compiles
+@pytest.mark.soak  # about 30 s on two shared CPU cores: the tower's and the text model's compiles
 def test_fine_tune_qwen2_5_vl_on_image_chats_end_to_end(tmp_path, model_dir, monkeypatch):
   """A tiny Qwen2.5-VL saved by transformers, its processor's files beside it: image chats
   prepared with --image-size train a few steps (the loss falls), and the export loads in
