@@ -230,6 +230,19 @@ class _Accumulator:
     return take
 
 
+def _one_document_rows(pos, seg, T: int) -> bool:
+  """Whether each row is one document from its first token (positions 0, 1, ...), then padding
+  in a segment of its own (a padded row): the rows M-RoPE's positions, computed from each whole
+  row's ids, are right for."""
+  idx = np.arange(T)
+  if seg is None:
+    return pos is None or bool((np.asarray(pos) == idx).all())
+  seg = np.asarray(seg)
+  doc = idx < np.cumprod(seg == 0, axis=1).sum(1, keepdims=True)  # the first segment's tokens
+  return bool(((seg == 0) == doc).all() and np.where(doc, True, seg == seg[:, -1:]).all()
+              and (pos is None or np.where(doc, np.asarray(pos) == idx, True).all()))
+
+
 class Engine:
   """Runs training steps over a LayerStore, streaming one layer at a time through its device.
 
@@ -351,10 +364,10 @@ class Engine:
     seg = getattr(batch, "segments", None)
     mrope = self._mrope(batch)
     if mrope is not None:
-      if seg is not None or (pos is not None and (np.asarray(pos) != np.arange(T)).any()):
+      if not _one_document_rows(pos, seg, T):
         raise ValueError("batch.positions: an M-RoPE model's positions come from its image "
                          "tokens (model.rope.mrope_section); packed documents are unsupported")
-      pos = mrope
+      pos = mrope  # a padded row's padding keeps its own segment
     if pos is None:
       pos = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
     out = []

@@ -87,7 +87,7 @@ def test_help_shows_every_default_and_points_to_the_data_docs():
   assert "docs/data.md" in r.stdout
   entries = re.split(r"\n  (?=-)", r.stdout.split("options:\n", 1)[1].split("\n\n")[0])
   helps = {e.split()[0].rstrip(","): " ".join(e.split()) for e in entries if e.strip()}
-  assert len(helps) == 22, sorted(helps)  # -h and the 21 options of prepare
+  assert len(helps) == 23, sorted(helps)  # -h and the 22 options of prepare
   for name, text in helps.items():
     if name != "-h":
       assert "(default: " in text or text.endswith("(required)"), (name, text)

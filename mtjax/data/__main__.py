@@ -100,6 +100,10 @@ def parser() -> argparse.ArgumentParser:
   q.add_argument("--processor", default=None,
                  help="the model's processor folder, for rows with images (default: the "
                       "--tokenizer folder, where it holds preprocessor_config.json)")
+  q.add_argument("--image-size", type=int, default=None, metavar="N",
+                 help="Qwen-VL: resize every image to N x N pixels (a multiple of patch x merge, "
+                      "e.g. 448 = model.vision.image_size's default) (default: the side the "
+                      "processor's min_pixels = max_pixels pins, else refused)")
   q.add_argument("--format", choices=FORMATS, default="auto",
                  help="row format; auto picks each source's from its first row")
   q.add_argument("--columns", default=None,
@@ -145,7 +149,7 @@ def _request(a: argparse.Namespace) -> Request:
                  weights=a.weights, epochs=a.epochs,
                  options=Options(a.train_on_prompt, a.last_turn_only, a.max_len, a.overflow),
                  workers=a.workers, seed=a.seed, eos=a.eos, strict=a.strict,
-                 processor=a.processor,
+                 processor=a.processor, image_size=a.image_size,
                  allow_low_disk=a.allow_low_disk)
 
 

@@ -14,7 +14,7 @@ class Batch:
   positions: np.ndarray | None = None  # [B, T] int32 RoPE positions, 0 at each document's start
   segments: np.ndarray | None = None  # [B, T] int32 document ids in a row; padding has its own
   loss_weights: np.ndarray | None = None  # [B, T] float32 weight of each target; None: all 1
-  images: np.ndarray | None = None  # [B, M, C, H, W] float32 pixels of each row's image slots (model.vision); None: no images
+  images: np.ndarray | None = None  # [B, M, *image_shape] float32 of each row's image slots (model.vision): pixels [C, H, W], or a Qwen-VL tower's patches [S, C x frames x patch^2] (mtjax.models.vision.image_shape); None: no images
 
 
 def synthetic_batch(step: int, batch: int, seq: int, vocab: int, seed: int) -> Batch:

@@ -83,7 +83,7 @@ def check_tokenizer(data_path: str | Path, model_dir: str | Path | None, vocab_s
 
 # The processor settings prepared images depend on: the stored size and the load's arithmetic.
 _PROCESSOR_KEYS = ("height", "width", "resample", "rescale_factor", "mean", "std",
-                   "tokens_per_image", "image_token")
+                   "tokens_per_image", "image_token", "patch", "merge", "temporal_patch")
 
 
 def check_processor(data_path: str | Path, model_dir: str | Path | None) -> None:
@@ -104,7 +104,10 @@ def check_processor(data_path: str | Path, model_dir: str | Path | None) -> None
   from mtjax.data.images import ImageProcessor
 
   try:
-    want = ImageProcessor.from_dir(model_dir).stored()
+    proc = ImageProcessor.from_dir(model_dir)
+    if made.get("patch") is not None:  # Qwen-VL: the data fixed the size the model's processor takes
+      proc = proc.at_size(int(made["height"]))
+    want = proc.stored()
   except ValueError as e:
     raise ValueError(f"model.from_hf: {model_dir}'s processor: {e}") from None
   for key in _PROCESSOR_KEYS:

@@ -2,6 +2,8 @@
 
   load_image       an RGB image from a path (relative to a base folder), bytes or a PIL image
   ImageProcessor   a model's processor folder: its pixel preprocessing and image placeholders
+                   (`at_size`: Qwen-VL's at one square size, which prepared data stores)
+  pixel_values     stored uint8 images as the tower takes them (normalised; Qwen-VL: patches)
   encode           chat-templated text and its images -> input ids, token types, pixels, grids
   mrope_positions  Qwen2-VL / Qwen2.5-VL / Qwen3-VL's [3, T] positions and rope delta of one row
 
@@ -290,6 +292,7 @@ class QwenVLImages:
   resample: int = BICUBIC  # PIL resampling filter
   resize: bool = True  # do_resize; without it the sides must be multiples of patch * merge
   norm: Norm = Norm()  # rescale and normalize
+  side: int | None = None  # every image resized to side x side (mtjax's fixed grid); None: smart resize
 
   @classmethod
   def from_config(cls, cfg: dict) -> QwenVLImages:
@@ -305,27 +308,68 @@ class QwenVLImages:
                cfg.get("resample", BICUBIC), cfg.get("do_resize", True),
                Norm.from_config(cfg, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD))
 
-  def __call__(self, image: Image.Image) -> tuple[np.ndarray, np.ndarray]:
-    """Patches [grid_h * grid_w, 3 * temporal_patch_size * patch^2] float32, grid (1, h, w).
+  @property
+  def factor(self) -> int:
+    """Pixels a side of one merged token: patch_size x merge_size."""
+    return self.patch_size * self.merge_size
 
-    The patches of each merge window are consecutive (row-major within it, windows row-major),
-    each flattened as (channel, frame, row, column): transformers' order, which the vision
-    tower's patch embedding and merger expect.
-    """
-    p, m = self.patch_size, self.merge_size
-    if self.resize:
-      x = _resize(image, *smart_resize(image.height, image.width, p * m, self.min_pixels,
-                                       self.max_pixels), self.resample)
-    else:
-      x = np.asarray(image)
-    h, w, c = x.shape
-    if h % (p * m) or w % (p * m):
-      raise ValueError(f"image {w}x{h}: sides not multiples of patch_size * merge_size = {p * m}")
-    gh, gw = h // p, w // p
-    x = self.norm(x).reshape(gh // m, m, p, gw // m, m, p, c)
-    x = x.transpose(0, 3, 1, 4, 6, 2, 5)  # (gh/m, gw/m, m, m, C, p, p)
-    x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], self.temporal_patch_size, p, p))
-    return x.reshape(gh * gw, c * self.temporal_patch_size * p * p), np.array([1, gh, gw])
+  @property
+  def pinned_side(self) -> int | None:
+    """The side min_pixels = max_pixels = side^2 pins (a multiple of the factor), else None."""
+    side = math.isqrt(self.min_pixels)
+    if self.min_pixels == self.max_pixels == side * side and side % self.factor == 0:
+      return side
+    return None
+
+  def square(self, side: int) -> QwenVLImages:
+    """The same processor resizing every image to side x side (its aspect ratio not kept)."""
+    if side <= 0 or side % self.factor:
+      raise ValueError(f"image size {side} is not a positive multiple of patch_size x merge_size "
+                       f"= {self.factor}")
+    if not self.resize:
+      raise ValueError("do_resize is false: images keep their own sizes, not one square size")
+    return dataclasses.replace(self, side=side)
+
+  @property
+  def fixed_size(self) -> tuple[int, int] | None:
+    """(height, width) of every image after geometry; None where it follows the input's."""
+    return None if self.side is None else (self.side, self.side)
+
+  def geometry(self, image: Image.Image) -> np.ndarray:
+    """The image resized, before any arithmetic: [H, W, 3] uint8."""
+    if self.side is not None:
+      return _resize(image, self.side, self.side, self.resample)
+    if not self.resize:
+      return np.asarray(image)
+    return _resize(image, *smart_resize(image.height, image.width, self.factor, self.min_pixels,
+                                        self.max_pixels), self.resample)
+
+  def __call__(self, image: Image.Image) -> tuple[np.ndarray, np.ndarray]:
+    """Patches [grid_h * grid_w, 3 * temporal_patch_size * patch^2] float32, grid (1, h, w)."""
+    x = self.geometry(image)
+    h, w, _ = x.shape
+    if h % self.factor or w % self.factor:
+      raise ValueError(f"image {w}x{h}: sides not multiples of patch_size * merge_size = "
+                       f"{self.factor}")
+    patches = qwen_patches(self.norm(x)[None], self.patch_size, self.merge_size,
+                           self.temporal_patch_size)[0]
+    return patches, np.array([1, h // self.patch_size, w // self.patch_size])
+
+
+def qwen_patches(x_NxHxWxC: np.ndarray, patch: int, merge: int, frames: int) -> np.ndarray:
+  """Normalised images [N, H, W, C] as Qwen-VL's patches [N, (H/p)(W/p), C * frames * p^2].
+
+  The patches of each merge window are consecutive (row-major within it, windows row-major),
+  each flattened as (channel, frame, row, column): transformers' order, which the vision tower's
+  patch embedding and merger expect; a still image is repeated over the frames.
+  """
+  n, h, w, c = x_NxHxWxC.shape
+  p, m = patch, merge
+  gh, gw = h // p, w // p
+  x = x_NxHxWxC.reshape(n, gh // m, m, p, gw // m, m, p, c)
+  x = x.transpose(0, 1, 4, 2, 5, 7, 3, 6)  # (N, gh/m, gw/m, m, m, C, p, p)
+  x = np.broadcast_to(x[:, :, :, :, :, :, None], (*x.shape[:6], frames, p, p))
+  return np.ascontiguousarray(x.reshape(n, gh * gw, c * frames * p * p))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -484,26 +528,52 @@ class ImageProcessor:
       return self.images(image)
     return self.images(image), None
 
+  def at_size(self, side: int) -> ImageProcessor:
+    """A Qwen-VL processor resizing every image to side x side (a fixed grid), which prepared
+    data can store. Raises ValueError for a side that is not a multiple of patch_size x
+    merge_size, and for the other families, whose processors fix their own size."""
+    if not isinstance(self.images, QwenVLImages):
+      h, w = self.images.fixed_size or ("?", "?")
+      raise ValueError(f"{self.family}'s processor resizes every image to {h}x{w} itself; an "
+                       "image size is for Qwen-VL's processors")
+    return dataclasses.replace(self, images=self.images.square(side))
+
+  def _fixed_replacement(self) -> str:
+    """What each placeholder becomes when every image has the one fixed size."""
+    h, w = self.images.fixed_size
+    grid = None
+    if isinstance(self.images, QwenVLImages):
+      grid = np.array([1, h // self.images.patch_size, w // self.images.patch_size])
+    return self.tokens.replacement(np.zeros((3, h, w), np.uint8), grid)
+
   def stored(self) -> dict:
     """What prepared data records of this processor (meta.json's "images"): the size its images
-    are stored at as uint8, the arithmetic that normalises them at load, the placeholder and the
-    image token it expands to. Raises ValueError for a processor whose images have no one size
-    (Qwen-VL's dynamic resolution, a CLIP processor without a crop), which the files cannot hold.
+    are stored at as uint8, the arithmetic that normalises them at load (and Qwen-VL's patches),
+    the placeholder and the image token it expands to. Raises ValueError for a processor whose
+    images have no one size (Qwen-VL's dynamic resolution unless `at_size` fixed one, a CLIP
+    processor without a crop), which the files cannot hold.
     """
-    size = None if isinstance(self.images, QwenVLImages) else self.images.fixed_size
+    size = self.images.fixed_size
     if size is None:
       kind = type(self.images).__name__
+      fix = (": pass --image-size N (a multiple of patch_size x merge_size = "
+             f"{self.images.factor}) to resize every image to N x N"
+             if isinstance(self.images, QwenVLImages) else "")
       raise ValueError(f"{self.family} ({kind}) resizes each image to a size of its own (dynamic "
-                       "resolution), which prepared data cannot store yet")
+                       f"resolution), which prepared data cannot store{fix}")
     norm = self.images.norm
     h, w = size
-    tokens = self.tokens.replacement(np.zeros((3, h, w), np.uint8), None).count(self.tokens.marked)
-    return {"family": self.family, "height": h, "width": w, "channels": 3,
-            "resample": self.images.resample, "rescale_factor": norm.rescale_factor,
-            "mean": None if norm.mean is None else list(norm.mean),
-            "std": None if norm.std is None else list(norm.std),
-            "placeholder": self.tokens.placeholder, "image_token": self.tokens.marked,
-            "tokens_per_image": tokens}
+    tokens = self._fixed_replacement().count(self.tokens.marked)
+    out = {"family": self.family, "height": h, "width": w, "channels": 3,
+           "resample": self.images.resample, "rescale_factor": norm.rescale_factor,
+           "mean": None if norm.mean is None else list(norm.mean),
+           "std": None if norm.std is None else list(norm.std),
+           "placeholder": self.tokens.placeholder, "image_token": self.tokens.marked,
+           "tokens_per_image": tokens}
+    if isinstance(self.images, QwenVLImages):  # the load cuts each image into the tower's patches
+      out.update(patch=self.images.patch_size, merge=self.images.merge_size,
+                 temporal_patch=self.images.temporal_patch_size)
+    return out
 
   def uint8(self, image: Image.Image) -> np.ndarray:
     """An RGB image as stored in prepared data: [H, W, 3] uint8, resized, not yet normalised."""
@@ -519,8 +589,7 @@ class ImageProcessor:
     if len(pieces) - 1 != n_images:
       raise ValueError(f"the rendered conversation holds {len(pieces) - 1} {ph} for "
                        f"{n_images} images")
-    h, w = self.images.fixed_size
-    rep = self.tokens.replacement(np.zeros((3, h, w), np.uint8), None)
+    rep = self._fixed_replacement()
     ends = np.cumsum([len(p) + len(ph) for p in pieces[:-1]])  # where each placeholder ends
     grow = len(rep) - len(ph)
     moved = lambda c: c + grow * int(np.searchsorted(ends, c, side="right"))
@@ -539,10 +608,32 @@ class Encoded:
 def normalize(pixels_NxHxWxC: np.ndarray, stored: dict) -> np.ndarray:
   """Stored uint8 images ([N, H, W, C], ImageProcessor.uint8) as the processor's pixel_values
   [N, C, H, W] float32, by the arithmetic `stored` (ImageProcessor.stored) records."""
+  return np.ascontiguousarray(_norm(stored)(np.asarray(pixels_NxHxWxC)).transpose(0, 3, 1, 2))
+
+
+def pixel_values(pixels_NxHxWxC: np.ndarray, stored: dict) -> np.ndarray:
+  """Stored uint8 images as the model's tower takes each: normalised [N, C, H, W], or Qwen-VL's
+  patches [N, (H/p)(W/p), C * temporal_patch * p^2] (transformers' pixel_values of the N images
+  are these reshaped to [N * (H/p)(W/p), C * temporal_patch * p^2])."""
+  if stored.get("patch") is None:
+    return normalize(pixels_NxHxWxC, stored)
+  x = _norm(stored)(np.asarray(pixels_NxHxWxC))
+  return qwen_patches(x, int(stored["patch"]), int(stored["merge"]), int(stored["temporal_patch"]))
+
+
+def pixel_shape(stored: dict) -> tuple[int, ...]:
+  """The shape of one image's `pixel_values`: [C, H, W], or Qwen-VL's [patches, patch values]."""
+  c, h, w = (int(stored[k]) for k in ("channels", "height", "width"))
+  if stored.get("patch") is None:
+    return (c, h, w)
+  p = int(stored["patch"])
+  return ((h // p) * (w // p), c * int(stored["temporal_patch"]) * p * p)
+
+
+def _norm(stored: dict) -> Norm:
   mean, std = stored.get("mean"), stored.get("std")
-  norm = Norm(stored.get("rescale_factor"), None if mean is None else tuple(mean),
+  return Norm(stored.get("rescale_factor"), None if mean is None else tuple(mean),
               None if std is None else tuple(std))
-  return np.ascontiguousarray(norm(np.asarray(pixels_NxHxWxC)).transpose(0, 3, 1, 2))
 
 
 def encode(text: str, images: Sequence[Source], processor: ImageProcessor, tokenizer: Any, *,

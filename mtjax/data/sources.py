@@ -245,6 +245,20 @@ class Prepared:
       raise ValueError(f"data.path: {made} for {size[0]}x{size[1]} images, the model's tower takes "
                        f"{vision.image_size}x{vision.image_size} (model.vision.image_size); "
                        "prepare it again with the model's processor")
+    if info.get("patch") is not None and (
+        (int(info["patch"]), int(info["merge"]), int(info["temporal_patch"]))
+        != (vision.patch, vision.merge, vision.temporal_patch)):
+      raise ValueError(f"data.path: {made} for patches of {info['patch']} pixels, "
+                       f"{info['merge']} x {info['merge']} to a token, {info['temporal_patch']} "
+                       f"frames; the model's tower takes {vision.patch}, {vision.merge} x "
+                       f"{vision.merge}, {vision.temporal_patch} (model.vision.patch, merge, "
+                       "temporal_patch); prepare it again with the model's processor")
+    from mtjax.data.images import pixel_shape
+    from mtjax.models.vision import image_shape
+    if pixel_shape(info) != image_shape(vision):
+      raise ValueError(f"data.path: {made} ({info.get('family')}) as images of shape "
+                       f"{list(pixel_shape(info))}, the model's {vision.tower} tower takes "
+                       f"{list(image_shape(vision))}; prepare it again with the model's processor")
     if (int(info["image_token_id"]), int(info["tokens_per_image"])) != (
         vision.image_token_id, vision.image_tokens):
       raise ValueError(f"data.path: {made}: {info['tokens_per_image']} tokens of id "
@@ -253,12 +267,13 @@ class Prepared:
                        "(model.vision.image_token_id); prepare it again with the model's processor")
 
   def batch_images(self, docs: list, vision: VisionConfig) -> np.ndarray:
-    """The images of one document per row ([B, M, C, H, W] float32, normalised as the processor
-    does; a row's unused slots and a row without a document (None) are zeros)."""
-    from mtjax.data.images import normalize
+    """The images of one document per row ([B, M, *image_shape] float32: [C, H, W] pixels, or a
+    Qwen-VL tower's patches [S, C x frames x patch^2], as the processor gives them; a row's unused
+    slots and a row without a document (None) are zeros)."""
+    from mtjax.data.images import pixel_values, pixel_shape
 
     B, M = len(docs), vision.max_images
-    out = np.zeros((B, M, vision.channels, vision.image_size, vision.image_size), np.float32)
+    out = np.zeros((B, M, *pixel_shape(self.image_info)), np.float32)
     for b, d in enumerate(docs):
       if d is None:
         continue
@@ -267,7 +282,7 @@ class Prepared:
         raise ValueError(f"data.path: document {d} of {self.path} holds {len(px)} images, more "
                          f"than model.vision.max_images ({M})")
       if len(px):
-        out[b, :len(px)] = normalize(px, self.image_info)
+        out[b, :len(px)] = pixel_values(px, self.image_info)
     return out
 
   def most_images(self, docs: np.ndarray) -> int:

@@ -85,9 +85,12 @@ class Request:
   strict: bool = False  # a bad row or file is an error instead of being counted and skipped
   allow_low_disk: bool = False  # start even when --out's free space is below output_estimate
   processor: str | Path | None = None  # the model's processor folder (images); None: the tokenizer's
+  image_size: int | None = None  # Qwen-VL: the square side in pixels every image is resized to; None: what the processor pins
 
   def __post_init__(self):
     opts = self.options
+    if self.image_size is not None and self.image_size <= 0:
+      raise ValueError(f"--image-size: {self.image_size} must be a positive number of pixels")
     if self.fmt not in FORMATS:
       raise ValueError(f"--format: {self.fmt!r} is not one of {', '.join(FORMATS)}")
     if not 0 <= self.val_fraction < 1:
@@ -162,7 +165,7 @@ _WORKER: dict = {}
 
 
 def _init_worker(tokenizer_path: str, eos_id: int, with_template: bool, last_turn_only: bool,
-                 processor: str | None = None):
+                 processor: str | None = None, image_size: int | None = None):
   from tokenizers import Tokenizer
 
   template = chat.ChatTemplate.from_tokenizer(tokenizer_path) if with_template else None
@@ -171,6 +174,8 @@ def _init_worker(tokenizer_path: str, eos_id: int, with_template: bool, last_tur
   if processor is not None:
     from mtjax.data.images import ImageProcessor
     images = ImageProcessor.from_dir(processor)
+    if image_size is not None:
+      images = images.at_size(image_size)
   _WORKER.update(tok=tok, eos=eos_id, template=template, last=last_turn_only, images=images)
 
 
@@ -492,6 +497,7 @@ class Vocabulary:
   processor: Path | None = None  # the model's processor folder, whose images rows may hold
   images: dict | None = None  # ImageProcessor.stored() with the image token's id (meta.json's)
   no_images: str | None = None  # why rows with images cannot be prepared (None: they can)
+  image_size: int | None = None  # Qwen-VL: the square side its processor was set to (at_size)
 
   @property
   def dtype(self) -> np.dtype:
@@ -507,31 +513,50 @@ class Vocabulary:
 _PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 
 
-def load_processor(req: Request, tok) -> tuple[Path | None, dict | None, str | None]:
-  """(folder, stored record, None) of --processor, or of the tokenizer's folder where it holds a
-  processor's files; (None, None, why) where rows with images cannot be prepared. An explicit
-  --processor that cannot store its images is an error at once."""
-  from mtjax.data.images import ImageProcessor
+def load_processor(req: Request, tok
+                   ) -> tuple[Path | None, dict | None, str | None, int | None]:
+  """(folder, stored record, None, Qwen-VL's square side) of --processor, or of the tokenizer's
+  folder where it holds a processor's files; (None, None, why, None) where rows with images
+  cannot be prepared. An explicit --processor (or --image-size) that cannot store its images is
+  an error at once.
+
+  A Qwen-VL processor resizes every image to --image-size pixels a side, or to the side its
+  min_pixels = max_pixels pins; the other families' processors fix their own size."""
+  from mtjax.data.images import ImageProcessor, QwenVLImages
 
   given = req.processor is not None
   folder = Path(req.processor) if given else chat.tokenizer_files(req.tokenizer)[0].parent
   if not any((folder / f).is_file() for f in _PROCESSOR_FILES):
-    if given:
-      raise ValueError(f"--processor: {folder} holds no {' or '.join(_PROCESSOR_FILES)}")
+    if given or req.image_size is not None:
+      option = "--processor" if given else "--image-size"
+      raise ValueError(f"{option}: {folder} holds no {' or '.join(_PROCESSOR_FILES)}")
     return None, None, (f"rows with images need the model's image processor: {folder} holds no "
-                        f"{_PROCESSOR_FILES[0]}; pass --processor MODEL_DIR")
+                        f"{_PROCESSOR_FILES[0]}; pass --processor MODEL_DIR"), None
   try:
     proc = ImageProcessor.from_dir(folder)
+  except ValueError as e:
+    if given:
+      raise ValueError(f"--processor: {e}") from None
+    return None, None, f"{e} (the processor of {folder})", None
+  side = req.image_size
+  if side is None and isinstance(proc.images, QwenVLImages):
+    side = proc.images.pinned_side
+  if side is not None:
+    try:
+      proc = proc.at_size(side)
+    except ValueError as e:
+      raise ValueError(f"--image-size: {e} (the processor of {folder})") from None
+  try:
     stored = proc.stored()
   except ValueError as e:
     if given:
       raise ValueError(f"--processor: {e}") from None
-    return None, None, f"{e} (the processor of {folder})"
+    return None, None, f"{e} (the processor of {folder})", None
   image_id = tok.token_to_id(stored["image_token"])
   if image_id is None:
     raise ValueError(f"--processor: the tokenizer has no {stored['image_token']} token, which "
                      f"{folder}'s processor expands each image to")
-  return folder, {**stored, "image_token_id": image_id}, None
+  return folder, {**stored, "image_token_id": image_id}, None, side
 
 
 def load_vocabulary(req: Request) -> Vocabulary:
@@ -846,7 +871,8 @@ def tokenize_into(tmp: Path, req: Request, vocab: Vocabulary, plan: Plan, progre
                       plan.has_mask, plan.pairs, 0 if plan.pairs else vocab.image_bytes)
             for s in SPLITS}
   init = (str(vocab.file), vocab.eos_id, plan.has_mask, req.options.last_turn_only,
-          None if vocab.processor is None or plan.pairs else str(vocab.processor))
+          None if vocab.processor is None or plan.pairs else str(vocab.processor),
+          vocab.image_size)
   rows = _chunks(_rows(plan.sources, req.mapping, req.strict, vocab.no_images), _CHUNK)
   try:
     with (_encoder(req.workers, init) as encode,
