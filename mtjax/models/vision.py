@@ -34,8 +34,9 @@ from mtjax import attention
 from mtjax.config import ModelConfig, VisionConfig
 from mtjax.models.layers import Ctx, RMSNorm
 
-# the towers' layer kinds, in forward order (vision_window: mtjax.models.qwen_vision's)
-KINDS = ("vision_embed", "vision", "vision_window", "projector")
+# the towers' layer kinds, in forward order (vision_window, vision_deepstack:
+# mtjax.models.qwen_vision's)
+KINDS = ("vision_embed", "vision", "vision_window", "vision_deepstack", "projector")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,7 @@ class VisionKind:
   layer_type: str = "vision"
   moe: bool = False
   rope: bool = False
+  deepstack: int = 0
 
 
 def group_kinds(cfg: ModelConfig) -> list[tuple[str, VisionKind]]:
@@ -189,17 +191,35 @@ def module(cfg: ModelConfig, kind: str, dtype=jnp.float32) -> nn.Module:
   return Projector(cfg, dtype)
 
 
-def sample_carry(cfg: ModelConfig, kind: str, batch: int = 1, seq: int = 2):
-  """Zeros of a kind's input (x, or the (x, features) pair) and a Ctx with images: shapes only,
-  for layouts and memory probes."""
+def carry(cfg: ModelConfig, kind: str, deepstack: int, make, rows: int, seq: int, dtype):
+  """A layer kind's input built by `make(shape, dtype)`: x [B, T, D]; in the tower (after its
+  embedding) the pair (x, features [B, M, S, Dv]), x with Qwen3-VL's deepstack features beside
+  it, (x, [B, k, M x image_tokens, D]); a decoder layer that adds `deepstack` of them, (x, those)."""
+  x = make((rows, seq, cfg.hidden), dtype)
   v = cfg.vision
-  x = jnp.zeros((batch, seq, cfg.hidden), jnp.float32)
+  if v is None or kind == "vision_embed":
+    return x
+  stack = lambda k: (x, make((rows, k, v.max_images * v.image_tokens, cfg.hidden), dtype))
+  if kind in KINDS:
+    return stack(len(v.deepstack)) if v.deepstack else x, make((rows, v.max_images, v.seq, v.hidden), dtype)
+  return stack(deepstack) if deepstack else x
+
+
+def add_at_image_slots(x_BxTxD, f_BxFxD, slots_BxT):
+  """x plus each image token's feature (`slots_BxT`: its index among f's, -1 for text)."""
+  taken = jnp.take_along_axis(f_BxFxD.astype(x_BxTxD.dtype), jnp.maximum(slots_BxT, 0)[..., None],
+                              axis=1)
+  return x_BxTxD + jnp.where((slots_BxT >= 0)[..., None], taken, jnp.zeros_like(taken))
+
+
+def sample_carry(cfg: ModelConfig, kind: str, batch: int = 1, seq: int = 2, deepstack: int = 0):
+  """Zeros of a kind's input (`carry`) and a Ctx with images: shapes only, for layouts and
+  memory probes."""
+  v = cfg.vision
   ctx = Ctx(jnp.zeros((batch, seq), jnp.int32), None,
             jnp.zeros((batch, v.max_images, *image_shape(v)), jnp.float32),
             jnp.full((batch, seq), -1, jnp.int32))
-  if kind == "vision_embed":
-    return x, ctx
-  return (x, jnp.zeros((batch, v.max_images, v.seq, v.hidden), jnp.float32)), ctx
+  return carry(cfg, kind, deepstack, jnp.zeros, batch, seq, jnp.float32), ctx
 
 
 def forward_flops(cfg: ModelConfig, kind: str, batch: int) -> float:
@@ -289,7 +309,7 @@ def image_inputs(cfg: ModelConfig, input_ids_BxT, images=None, image_grid_thw=No
 
 
 def _qwen(v: VisionConfig) -> bool:
-  return v.tower in ("qwen2_vl", "qwen2_5_vl")
+  return v.tower in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 from mtjax.models import qwen_vision  # noqa: E402  (it builds on this module's pieces)
