@@ -1,15 +1,20 @@
-"""Qwen2-VL's and Qwen2.5-VL's vision towers as layer kinds of the block chain (the carry and the
-image slots of mtjax.models.vision):
+"""Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's vision towers as layer kinds of the block chain (the
+carry and the image slots of mtjax.models.vision):
 
   vision_embed    (x, ctx.images) -> (x, v): each patch of temporal_patch frames x patch x patch
                   pixels embedded (the checkpoint's Conv3d as one matmul), no bias, no positions
+                  (Qwen3-VL: the conv's bias, learned positions resized to the grid, and x
+                  becomes (x, zero deepstack features))
   vision (xN)     (x, v) -> (x, v): a pre-norm block attending over each whole image, q and k
                   turned by a 2D rotary embedding (a patch's row on the first half of the
                   frequencies, its column on the second)
   vision_window   the same block attending only within windows of `window` pixels a side
                   (Qwen2.5-VL's blocks outside `full_blocks`)
+  vision_deepstack  the whole-image block whose output, through a merger of its own, joins the
+                  deepstack features beside x (Qwen3-VL's `deepstack` blocks)
   projector       (x, v) -> x: the merger: a norm, merge x merge neighbouring patches
                   concatenated, two linears with a GELU between, written over the image tokens
+                  (Qwen3-VL with deepstack: -> (x, deepstack features), mtjax.models.qwen3_vl)
 
 Images are patches already (what the processor gives, mtjax.data.images.QwenVLImages):
 `ctx.images` [B, M, S, C * temporal_patch * patch^2], S = (image_size / patch)^2 patches of each

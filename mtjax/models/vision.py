@@ -13,7 +13,9 @@ A model with `model.vision` runs, after the token embedding,
 
 then the decoder blocks and the head. The carry is a pair while the tower runs, so the engine's
 forward, saved inputs and per-layer vjp treat it as they treat `x`; the pass-through's cotangent
-flows back to the embedding unchanged.
+flows back to the embedding unchanged. (Qwen3-VL's deepstack features ride in the text stream's
+place as (x, features) from the tower's embedding to the decoder layers that add them:
+`carry`.)
 
 Images are `ctx.images` [B, M, C, H, W] (M = model.vision.max_images slots a row; unused slots
 are zeros and their features are never read); `ctx.image_slots` [B, T] gives each position the
