@@ -407,6 +407,11 @@ class ModelConfig:
     if rope.mrope_section and sum(rope.mrope_section) != self.rotary_dim // 2:
       raise ConfigError(f"model.rope.mrope_section: {list(rope.mrope_section)} must sum to the "
                         f"{self.rotary_dim // 2} RoPE frequencies (half of {self.rotary_dim})")
+    if rope.mrope_interleaved and not rope.mrope_section:
+      raise ConfigError("model.rope.mrope_interleaved: needs model.rope.mrope_section")
+    if self.vision is not None and len(self.vision.deepstack) > self.layers:
+      raise ConfigError(f"model.vision.deepstack: {len(self.vision.deepstack)} feature sets for "
+                        f"{self.layers} decoder layers (model.layers)")
     if self.vision is not None and not 0 <= self.vision.image_token_id < self.vocab_size:
       raise ConfigError(f"model.vision.image_token_id: {self.vision.image_token_id} is not a token "
                         f"id (vocab_size {self.vocab_size})")

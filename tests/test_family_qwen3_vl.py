@@ -18,7 +18,7 @@ import parity
 import mtjax
 from mtjax import cli, data, engine as engine_lib, hf, launch, models, store as store_lib
 from mtjax.models import vision
-from mtjax.models.layers import token_nll
+from mtjax.models.layers import rope_tables, token_nll
 from numerics import assert_close
 
 IMAGE = 127  # the image token
@@ -91,8 +91,9 @@ def logits_of(cfg, params, inputs, pixels, grid):
 @parity.covers("qwen3_vl")
 def test_qwen3_vl_equals_transformers(tmp_path):
   """Logits, loss and every gradient (tower, position table, deepstack mergers, merger, text
-  model) equal transformers'; M-RoPE's positions are its get_rope_index's. Deepstack and the
-  interleaved M-RoPE each matter (by 1e3 x the agreement): without them the logits move."""
+  model) equal transformers'; M-RoPE's positions are its get_rope_index's, its interleaved
+  tables its rotary embedding's. Deepstack matters (by 1e3 x the agreement): with its features
+  zero the logits move (the interleaving's effect on them: a soak test below)."""
   save_qwen3_vl(tmp_path)
   cfg, params = load(tmp_path)
   assert cfg.family == "qwen3_vl" and cfg.vision.image_tokens == 9
@@ -131,21 +132,31 @@ def test_qwen3_vl_equals_transformers(tmp_path):
     assert np.abs(grads[name]).max() > 0
   parity.pieces_cover_every_parameter(cfg)
 
-  # each feature moves the logits
-  no_stack = dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, deepstack=()))
-  plain = dict(params, blocks=[{k: v for k, v in p.items() if k != "deepstack"}
-                               for p in params["blocks"]])
-  assert np.abs(logits_of(no_stack, plain, inputs, pixels, grid) - got).max() > 1e-3
+  # the interleaved M-RoPE tables are transformers' (the sectioned ones other), and the
+  # deepstack features matter: zeroed (their mergers' last linear), the logits move
+  with torch.no_grad():
+    cos, sin = m.model.language_model.rotary_emb(torch.zeros(1), theirs)
+  ours = rope_tables(cfg, jnp.asarray(positions))
+  R2 = ours[0].shape[-1]
+  np.testing.assert_allclose(ours[0], cos.numpy()[..., :R2], rtol=0, atol=1e-6)
+  np.testing.assert_allclose(ours[1], sin.numpy()[..., :R2], rtol=0, atol=1e-6)
   sections = dataclasses.replace(cfg, rope=dataclasses.replace(cfg.rope, mrope_interleaved=False))
-  assert np.abs(logits_of(sections, params, inputs, pixels, grid) - got).max() > 1e-3
-
+  assert np.abs(np.asarray(rope_tables(sections, jnp.asarray(positions))[0]) - ours[0]).max() > 0.1
+  spec = models.spec(cfg)
+  zero = lambda p: dict(p, deepstack=dict(p["deepstack"], fc2=jax.tree.map(
+      jnp.zeros_like, p["deepstack"]["fc2"])))
+  unstacked = dict(params, blocks=[zero(p) if k == "vision_deepstack" else p
+                                   for (_, k), p in zip(spec.groups[1:-1], params["blocks"])])
+  (_, plain), _ = loss_and_grad(unstacked)
+  assert np.abs(np.asarray(plain) - got).max() > 1e-3
 
 @pytest.mark.soak
-@pytest.mark.parametrize("freeze", [(), ("vision",)])
+@pytest.mark.parametrize("freeze", [(), ("vision",), ("language",)])
 def test_engine_step_equals_torch_adamw(tmp_path, freeze):
   """One streamed step over every tier equals torch.optim.AdamW on transformers' model: the
   deepstack features travel from the tower through the first decoder layers in the engine's
-  carry; with the tower frozen (its deepstack mergers part of it) its weights keep bit for bit."""
+  carry; a frozen part (the tower with its deepstack mergers, or the text model, whose first
+  layers then pass the deepstack features' cotangent down) keeps its weights bit for bit."""
   save_qwen3_vl(tmp_path)
   lr, B, T = 1e-2, 2, 24
   over = [f"model.from_hf={tmp_path}", "model.vision.max_images=2",
@@ -169,8 +180,9 @@ def test_engine_step_equals_torch_adamw(tmp_path, freeze):
   m, _, loss, _ = torch_reference(tmp_path, inputs, targets, pixels, grid)
   assert_close(stats.loss, loss, name="cross-entropy before the step")
   m.zero_grad()
-  frozen = lambda n: "vision" in freeze and n.startswith("model.visual.") and not n.startswith(
-      "model.visual.merger.")
+  tower = lambda n: n.startswith("model.visual.") and not n.startswith("model.visual.merger.")
+  frozen = lambda n: (("vision" in freeze and tower(n))
+                      or ("language" in freeze and n.startswith(("model.language_model.", "lm_head."))))
   named = dict(m.named_parameters())
   assert named.keys() == parity.as_checkpoint(m).keys()
   for n, p in named.items():
@@ -231,3 +243,27 @@ def test_the_top_level_spelling_of_the_tensors_loads_the_same(tmp_path):
   safetensors.numpy.save_file({rename(k): v for k, v in tensors.items()}, d / "model.safetensors")
   _, params = mtjax.load_hf(d)
   jax.tree.map(np.testing.assert_array_equal, params, base)
+
+
+@pytest.mark.soak
+def test_a_tower_without_deepstack_is_the_model_with_zero_deepstack_features(tmp_path):
+  """model.vision.deepstack=() (no features beside x, plain tower blocks and decoder layers)
+  computes what the full model does with its deepstack mergers' outputs zeroed; M-RoPE in
+  consecutive sections instead of interleaved moves the logits."""
+  save_qwen3_vl(tmp_path)
+  cfg, params = load(tmp_path)
+  inputs, _, pixels, grid = rows(cfg)
+  spec = models.spec(cfg)
+  zero = lambda p: dict(p, deepstack=dict(p["deepstack"], fc2=jax.tree.map(
+      jnp.zeros_like, p["deepstack"]["fc2"])))
+  deep = [k == "vision_deepstack" for _, k in spec.groups[1:-1]]
+  zeroed = dict(params, blocks=[zero(p) if d else p for d, p in zip(deep, params["blocks"])])
+  plain = dict(params, blocks=[{k: v for k, v in p.items() if k != "deepstack"}
+                               for p in params["blocks"]])
+  no_stack = dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, deepstack=()))
+  assert "vision_deepstack" not in dict(models.spec(no_stack).groups).values()
+  full = logits_of(cfg, zeroed, inputs, pixels, grid)
+  np.testing.assert_allclose(logits_of(no_stack, plain, inputs, pixels, grid), full, rtol=0,
+                             atol=1e-6)
+  sections = dataclasses.replace(cfg, rope=dataclasses.replace(cfg.rope, mrope_interleaved=False))
+  assert np.abs(logits_of(sections, zeroed, inputs, pixels, grid) - full).max() > 1e-3
