@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 
 from mtjax.config import ModelConfig
-from mtjax.models import deltanet, mla, moe, vision
-from mtjax.models.layers import (MLP, Attention, BlockKind, Ctx, image_groups, layer_segments,
-                                 norm_layer)
+from mtjax.models import deltanet, mla, moe
+from mtjax.models.layers import (MLP, Attention, BlockKind, Ctx, add_at_image_slots, image_groups,
+                                 layer_segments, norm_layer)
 
 
 class Block(nn.Module):
@@ -84,7 +84,7 @@ class Block(nn.Module):
     if self.kind.deepstack:  # (x, the deepstack features [B, k, F, D] not yet added)
       x_BxTxD, d_BxKxFxD = x_BxTxD
       y, aux = self.decoder(x_BxTxD, ctx)
-      y = vision.add_at_image_slots(y, d_BxKxFxD[:, 0], ctx.image_slots)
+      y = add_at_image_slots(y, d_BxKxFxD[:, 0], ctx.image_slots)
       return (y if self.kind.deepstack == 1 else (y, d_BxKxFxD[:, 1:])), aux
     return self.decoder(x_BxTxD, ctx)
 

@@ -202,6 +202,13 @@ def layer_segments(cfg: ModelConfig, layer_type: str, ctx: Ctx) -> jax.Array | N
   return attention.chunk_segments(ctx.positions, cfg.attention_chunk, ctx.segments)
 
 
+def add_at_image_slots(x_BxTxD, f_BxFxD, slots_BxT):
+  """x plus each image token's feature (`slots_BxT`: its index among f's, -1 for text)."""
+  taken = jnp.take_along_axis(f_BxFxD.astype(x_BxTxD.dtype), jnp.maximum(slots_BxT, 0)[..., None],
+                              axis=1)
+  return x_BxTxD + jnp.where((slots_BxT >= 0)[..., None], taken, jnp.zeros_like(taken))
+
+
 def image_groups(cfg: ModelConfig, ctx: Ctx) -> jax.Array | None:
   """[B, T] int32 ids of the image blocks a decoder's attention lets see each other whole
   (`model.vision.image_attention` bidirectional): each contiguous run of image tokens

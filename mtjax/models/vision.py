@@ -207,13 +207,6 @@ def carry(cfg: ModelConfig, kind: str, deepstack: int, make, rows: int, seq: int
   return stack(deepstack) if deepstack else x
 
 
-def add_at_image_slots(x_BxTxD, f_BxFxD, slots_BxT):
-  """x plus each image token's feature (`slots_BxT`: its index among f's, -1 for text)."""
-  taken = jnp.take_along_axis(f_BxFxD.astype(x_BxTxD.dtype), jnp.maximum(slots_BxT, 0)[..., None],
-                              axis=1)
-  return x_BxTxD + jnp.where((slots_BxT >= 0)[..., None], taken, jnp.zeros_like(taken))
-
-
 def sample_carry(cfg: ModelConfig, kind: str, batch: int = 1, seq: int = 2, deepstack: int = 0):
   """Zeros of a kind's input (`carry`) and a Ctx with images: shapes only, for layouts and
   memory probes."""
