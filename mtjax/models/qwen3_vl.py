@@ -45,7 +45,7 @@ def _read(config: dict, where: str) -> dict:
   text = dict(config.get("text_config") or {})
   rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
   section = tuple(rope.pop("mrope_section", None) or MROPE_SECTION)
-  interleaved = bool(rope.pop("mrope_interleaved", True))
+  rope.pop("mrope_interleaved", None)  # transformers' Qwen3-VL interleaves whatever it says
   if rope.get("rope_type", rope.get("type")) == "mrope":
     rope["rope_type"] = "default"
   rope.pop("type", None)
@@ -53,7 +53,7 @@ def _read(config: dict, where: str) -> dict:
   text.pop("rope_scaling", None)
   fields = get("qwen3").read_config(text, f"{where} text_config")
   fields["rope"] = dataclasses.replace(fields["rope"], mrope_section=section,
-                                       mrope_interleaved=interleaved)
+                                       mrope_interleaved=True)
   vc = config.get("vision_config")
   if not isinstance(vc, dict):
     raise FamilyError(f"{where}: vision_config={vc!r} unsupported (expected a dict)")
