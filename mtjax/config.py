@@ -111,7 +111,7 @@ class VisionConfig:
   """A vision tower whose image features replace the image tokens' embeddings (LLaVA's CLIP,
   Gemma 3's SigLIP, Qwen2-VL's and Qwen2.5-VL's): patches embedded, `layers` encoder blocks, a
   projector to model.hidden."""
-  tower: Literal["clip", "siglip", "qwen2_vl", "qwen2_5_vl"] = "clip"  # CLIP (a class token, a LayerNorm before the blocks), SigLIP (a conv bias, a LayerNorm after them), Qwen2-VL (2D RoPE, LayerNorms, a quick-gelu MLP) or Qwen2.5-VL (2D RoPE, RMSNorms, a gated MLP, window attention)
+  tower: Literal["clip", "siglip", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"] = "clip"  # CLIP (a class token, a LayerNorm before the blocks), SigLIP (a conv bias, a LayerNorm after them), Qwen2-VL (2D RoPE, LayerNorms, a quick-gelu MLP), Qwen2.5-VL (2D RoPE, RMSNorms, a gated MLP, window attention) or Qwen3-VL (2D RoPE and learned positions, LayerNorms, deepstack)
   hidden: int = 32  # the tower's width
   layers: int = 2  # encoder blocks the features are taken after (a checkpoint's later blocks are not run)
   heads: int = 4  # attention heads of each block
@@ -134,6 +134,8 @@ class VisionConfig:
   window: int | None = None  # qwen2_5_vl: the side of an attention window in pixels (window_size); None: every block attends to the whole image
   full_blocks: tuple[int, ...] = ()  # qwen2_5_vl with a window: the blocks that attend to the whole image (fullatt_block_indexes)
   rope_theta: float = 10000.0  # qwen towers: the base of the 2D rotary embedding
+  positions: int = 0  # qwen3_vl: entries of the learned position table (a square grid, bilinearly resized to the image's; num_position_embeddings)
+  deepstack: tuple[int, ...] = ()  # qwen3_vl: the blocks whose merged features are added to the image tokens after the first len(deepstack) decoder layers (deepstack_visual_indexes)
 
   def __post_init__(self):
     _positive(self, "hidden", "layers", "heads", "ffn", "image_size", "patch", "channels",
@@ -146,7 +148,7 @@ class VisionConfig:
     if self.image_size % self.patch:
       raise ConfigError(f"model.vision.patch: {self.patch} does not divide "
                         f"model.vision.image_size ({self.image_size})")
-    qwen = self.tower in ("qwen2_vl", "qwen2_5_vl")
+    qwen = self.tower in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
     if qwen != (self.projector == "merger"):
       raise ConfigError(f"model.vision.projector: {self.projector} with tower {self.tower} (the "
                         "merger is the qwen towers' projector, and theirs only)")
@@ -161,6 +163,15 @@ class VisionConfig:
     if any(not 0 <= b < self.layers for b in self.full_blocks) or (self.full_blocks and self.window is None):
       raise ConfigError(f"model.vision.full_blocks: {list(self.full_blocks)} must be blocks "
                         f"0..{self.layers - 1} of a tower with a window")
+    if (self.positions or self.deepstack) and self.tower != "qwen3_vl":
+      raise ConfigError("model.vision.positions and model.vision.deepstack: tower qwen3_vl only")
+    if self.tower == "qwen3_vl" and (self.positions <= 0
+                                     or math.isqrt(self.positions) ** 2 != self.positions):
+      raise ConfigError(f"model.vision.positions: {self.positions} must be a square number > 0")
+    if (any(not 0 <= b < self.layers for b in self.deepstack)
+        or list(self.deepstack) != sorted(set(self.deepstack))):
+      raise ConfigError(f"model.vision.deepstack: {list(self.deepstack)} must be increasing "
+                        f"blocks 0..{self.layers - 1}")
     if self.tokens_per_image is not None:
       side = math.isqrt(self.tokens_per_image)
       if self.projector != "pool" or side * side != self.tokens_per_image or self.patches_per_side % side:
@@ -208,6 +219,7 @@ class RopeConfig:
   interleave: bool = False  # rotate channel pairs (2i, 2i + 1) instead of (i, i + R/2) (GLM-4, Cohere, Llama 4)
   local_theta: float | None = None  # RoPE base of sliding layers, without scaling (Gemma 3)
   mrope_section: tuple[int, ...] = ()  # M-RoPE (Qwen-VL): frequencies rotated by the temporal, height and width positions, in that order from the lowest; () plain RoPE
+  mrope_interleaved: bool = False  # M-RoPE's streams interleaved (Qwen3-VL): frequency j turns by height when j % 3 == 1 and j < 3 x the height count, by width when j % 3 == 2 and j < 3 x the width count, else by time
 
   def __post_init__(self):
     _positive(self, "theta", "factor", "beta_fast", "beta_slow", "original_max_len")
@@ -256,7 +268,7 @@ TRAINING_KNOBS = ("aux_loss_coef", "z_loss_coef", "capacity_factor", "chunk", "m
 def run_knobs(section: dict) -> tuple[str, ...]:
   """The keys of a model section (a dict) a run may set on an imported model: TRAINING_KNOBS,
   and a Qwen-VL tower's image_size (the run's fixed grid; no weight has its shape)."""
-  qwen = section.get("tower") in ("qwen2_vl", "qwen2_5_vl")
+  qwen = section.get("tower") in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
   return TRAINING_KNOBS + ("image_size",) * qwen
 
 
@@ -395,6 +407,11 @@ class ModelConfig:
     if rope.mrope_section and sum(rope.mrope_section) != self.rotary_dim // 2:
       raise ConfigError(f"model.rope.mrope_section: {list(rope.mrope_section)} must sum to the "
                         f"{self.rotary_dim // 2} RoPE frequencies (half of {self.rotary_dim})")
+    if rope.mrope_interleaved and not rope.mrope_section:
+      raise ConfigError("model.rope.mrope_interleaved: needs model.rope.mrope_section")
+    if self.vision is not None and len(self.vision.deepstack) > self.layers:
+      raise ConfigError(f"model.vision.deepstack: {len(self.vision.deepstack)} feature sets for "
+                        f"{self.layers} decoder layers (model.layers)")
     if self.vision is not None and not 0 <= self.vision.image_token_id < self.vocab_size:
       raise ConfigError(f"model.vision.image_token_id: {self.vision.image_token_id} is not a token "
                         f"id (vocab_size {self.vocab_size})")

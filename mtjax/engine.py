@@ -496,7 +496,9 @@ class Engine:
       if mode == "skip":  # frozen, and nothing below trains
         break
       if mode == "pass":  # a frozen tower group below which nothing of the tower trains
-        dx = (self._pass_projector(dx, inp.ctx.image_slots) if kinds[i + 1] == "projector"
+        # (the projector's: the text stream's, without Qwen3-VL's deepstack features' beside it)
+        dx = (self._pass_projector(dx[0] if isinstance(dx, tuple) else dx, inp.ctx.image_slots)
+              if kinds[i + 1] == "projector"
               else dx[0] if isinstance(dx, tuple) else dx)
         continue
       w_cur, x_cur = w_next, x_next

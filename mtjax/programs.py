@@ -327,12 +327,10 @@ def shaped_calls(programs: Programs, rows: int, seq: int, device: jax.Device,
   x, tok = S((rows, seq, cfg.hidden), cd), S((rows, seq), jnp.int32)
   pos = S((rows, seq, 3), jnp.int32) if cfg.rope.mrope_section else tok  # M-RoPE: 3 streams
   ctx = Ctx(pos, tok if documents else None)
-  pair = None
   if cfg.vision is not None:  # the tower's layers carry (x, features) and read the images
     v = cfg.vision
     ctx = Ctx(pos, ctx.segments, S((rows, v.max_images, *vision.image_shape(v)), jnp.float32),
               tok)
-    pair = (x, S((rows, v.max_images, v.seq, v.hidden), cd))
   w = {k: S((lay.size,), jnp.float32) for k, lay in spec.layouts.items()}
   table = w["embed"] if cfg.tie_embeddings else None
   calls = {
@@ -342,7 +340,7 @@ def shaped_calls(programs: Programs, rows: int, seq: int, device: jax.Device,
   }
   for kind in spec.kinds:
     fwd, bwd = programs.block_fwd[kind], programs.block_bwd[kind]
-    inp = pair if kind in vision.KINDS[1:] else x
+    inp = vision.carry(cfg, kind, spec.kinds[kind].deepstack, S, rows, seq, cd)
     out, daux = jax.eval_shape(fwd, w[kind], inp, ctx)
     dy = jax.tree.map(lambda a: S(a.shape, a.dtype), out)
     calls[f"{kind} forward"] = (fwd, (w[kind], inp, ctx))

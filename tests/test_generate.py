@@ -79,6 +79,13 @@ CONFIGS = {
         vision_config=dict(depth=2, embed_dim=16, mlp_ratio=2, num_heads=2, hidden_size=32),
         text_config=QWEN_VL_TEXT, image_token_id=S["vocab_size"] - 1,
         video_token_id=S["vocab_size"] - 2),
+    "qwen3_vl": lambda: T.Qwen3VLConfig(
+        vision_config=dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2,
+                           out_hidden_size=32, num_position_embeddings=16,
+                           deepstack_visual_indexes=[0]),
+        text_config=dict(QWEN_VL_TEXT, head_dim=8, rope_parameters=dict(
+            QWEN_VL_TEXT["rope_parameters"], mrope_interleaved=True)),
+        image_token_id=S["vocab_size"] - 1, video_token_id=S["vocab_size"] - 2),
     "llava": lambda: T.LlavaConfig(
         vision_config=T.CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                          num_attention_heads=2, image_size=28, patch_size=14),
@@ -133,7 +140,7 @@ CONFIGS = {
 }
 # Families whose layers have no decoding cache: generate refuses them in one line.
 UNCACHED = ("qwen3_next",)
-VISION = ("gemma3_vl", "llava", "qwen2_5_vl", "qwen2_vl")  # an image tower and projector: refused by generate
+VISION = ("gemma3_vl", "llava", "qwen2_5_vl", "qwen2_vl", "qwen3_vl")  # an image tower and projector: refused by generate
 
 
 def _llama4():

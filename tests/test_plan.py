@@ -679,6 +679,10 @@ def test_the_arithmetic_count_is_the_layouts_for_every_shipped_shape():
         f"model.vision.window={window or 'null'}", "model.vision.act=silu",
         f"model.vision.full_blocks=[{'3' if window else ''}]"]).model
     assert plan.count_params(m) == plan.param_counts(m)["total"], tower
+  m = config.load(CONFIGS / "llava_7b.yaml", [  # Qwen3-VL's: learned positions, deepstack mergers
+      "model.vision.tower=qwen3_vl", "model.vision.projector=merger", "model.vision.act=gelu_tanh",
+      "model.vision.positions=2304", "model.vision.deepstack=[4,8,16]"]).model
+  assert plan.count_params(m) == plan.param_counts(m)["total"], "qwen3_vl"
 
 
 def test_the_plan_counts_the_checkpoints_a_run_writes_and_shows_only_the_files_it_writes(tmp_path):

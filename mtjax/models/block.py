@@ -10,8 +10,8 @@ import jax.numpy as jnp
 
 from mtjax.config import ModelConfig
 from mtjax.models import deltanet, mla, moe
-from mtjax.models.layers import (MLP, Attention, BlockKind, Ctx, image_groups, layer_segments,
-                                 norm_layer)
+from mtjax.models.layers import (MLP, Attention, BlockKind, Ctx, add_at_image_slots, image_groups,
+                                 layer_segments, norm_layer)
 
 
 class Block(nn.Module):
@@ -81,6 +81,14 @@ class Block(nn.Module):
     return x_BxTxD + y_BxTxD
 
   def __call__(self, x_BxTxD, ctx: Ctx | None = None):
+    if self.kind.deepstack:  # (x, the deepstack features [B, k, F, D] not yet added)
+      x_BxTxD, d_BxKxFxD = x_BxTxD
+      y, aux = self.decoder(x_BxTxD, ctx)
+      y = add_at_image_slots(y, d_BxKxFxD[:, 0], ctx.image_slots)
+      return (y if self.kind.deepstack == 1 else (y, d_BxKxFxD[:, 1:])), aux
+    return self.decoder(x_BxTxD, ctx)
+
+  def decoder(self, x_BxTxD, ctx: Ctx | None = None):
     B, T, _ = x_BxTxD.shape
     ctx = Ctx.default(B, T) if ctx is None else ctx
     qkv = self._per_token(Block._qkv, x_BxTxD, *self.attn.rope(ctx.positions))

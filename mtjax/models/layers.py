@@ -30,11 +30,13 @@ class BlockKind:
   layer_type: str = "full"  # full attention, a sliding window, chunks, or linear (a gated DeltaNet)
   moe: bool = False  # a mixture-of-experts feed-forward instead of the dense MLP
   rope: bool = True  # the attention rotates q and k (False: NoPE)
+  deepstack: int = 0  # Qwen3-VL's deepstack feature sets its input carries beside x; it adds the first to the image tokens
 
   @property
   def name(self) -> str:
     return ("block" + ("" if self.layer_type == "full" else f"_{self.layer_type}")
-            + ("" if self.rope else "_nope") + ("_moe" if self.moe else ""))
+            + ("" if self.rope else "_nope") + ("_moe" if self.moe else "")
+            + (f"_deepstack{self.deepstack}" if self.deepstack else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,10 +47,12 @@ class VisionKind:
   layer_type: str = "vision"
   moe: bool = False
   rope: bool = False
+  deepstack: int = 0  # always 0, read where a BlockKind's is (a tower kind's carry follows the config)
 
 
 def block_kind(cfg: ModelConfig, i: int) -> BlockKind:
-  return BlockKind(cfg.layer_type(i), cfg.is_moe_layer(i), cfg.uses_rope(i))
+  k = len(cfg.vision.deepstack) if cfg.vision is not None else 0
+  return BlockKind(cfg.layer_type(i), cfg.is_moe_layer(i), cfg.uses_rope(i), max(k - i, 0))
 
 
 # ---------------------------------------------------------------------------------------- RoPE
@@ -122,6 +126,18 @@ def _yarn(r: RopeConfig, theta: float, dim: int) -> tuple[jax.Array, float]:
   return inv_freq, factor
 
 
+def mrope_streams(r) -> np.ndarray:
+  """The position stream (0 temporal, 1 height, 2 width) each frequency of M-RoPE turns by:
+  consecutive sections, or interleaved (transformers' Qwen3-VL recomposition_frequencies)."""
+  if not r.mrope_interleaved:
+    return np.repeat(np.arange(3), r.mrope_section)
+  j = np.arange(sum(r.mrope_section))
+  out = np.zeros_like(j)
+  for stream in (1, 2):
+    out[(j % 3 == stream) & (j < 3 * r.mrope_section[stream])] = stream
+  return out
+
+
 def rope_tables(cfg: ModelConfig, positions_BxT: jax.Array, layer_type: str = "full"
                 ) -> tuple[jax.Array, jax.Array]:
   """cos and sin of position x frequency, [B, T, R/2] fp32, scaled by the rule's factor.
@@ -138,7 +154,7 @@ def rope_tables(cfg: ModelConfig, positions_BxT: jax.Array, layer_type: str = "f
     long = jnp.max(positions_BxT) + 1 > r.original_max_len
     inv_freq = jnp.where(long, rope_inv_freq(cfg, layer_type, long=True)[0], inv_freq)
   if positions_BxT.ndim == 3:  # M-RoPE: frequency j takes the stream its section names
-    stream_R2 = np.repeat(np.arange(3), r.mrope_section)
+    stream_R2 = mrope_streams(r)
     positions_BxTxR2 = positions_BxT.astype(jnp.float32)[..., stream_R2]
     angles_BxTxR2 = positions_BxTxR2 * inv_freq[None, None, :]
   else:
@@ -195,6 +211,13 @@ def layer_segments(cfg: ModelConfig, layer_type: str, ctx: Ctx) -> jax.Array | N
   if layer_type != "chunked":
     return ctx.segments
   return attention.chunk_segments(ctx.positions, cfg.attention_chunk, ctx.segments)
+
+
+def add_at_image_slots(x_BxTxD, f_BxFxD, slots_BxT):
+  """x plus each image token's feature (`slots_BxT`: its index among f's, -1 for text)."""
+  taken = jnp.take_along_axis(f_BxFxD.astype(x_BxTxD.dtype), jnp.maximum(slots_BxT, 0)[..., None],
+                              axis=1)
+  return x_BxTxD + jnp.where((slots_BxT >= 0)[..., None], taken, jnp.zeros_like(taken))
 
 
 def image_groups(cfg: ModelConfig, ctx: Ctx) -> jax.Array | None:

@@ -1,15 +1,20 @@
-"""Qwen2-VL's and Qwen2.5-VL's vision towers as layer kinds of the block chain (the carry and the
-image slots of mtjax.models.vision):
+"""Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's vision towers as layer kinds of the block chain (the
+carry and the image slots of mtjax.models.vision):
 
   vision_embed    (x, ctx.images) -> (x, v): each patch of temporal_patch frames x patch x patch
                   pixels embedded (the checkpoint's Conv3d as one matmul), no bias, no positions
+                  (Qwen3-VL: the conv's bias, learned positions resized to the grid, and x
+                  becomes (x, zero deepstack features))
   vision (xN)     (x, v) -> (x, v): a pre-norm block attending over each whole image, q and k
                   turned by a 2D rotary embedding (a patch's row on the first half of the
                   frequencies, its column on the second)
   vision_window   the same block attending only within windows of `window` pixels a side
                   (Qwen2.5-VL's blocks outside `full_blocks`)
+  vision_deepstack  the whole-image block whose output, through a merger of its own, joins the
+                  deepstack features beside x (Qwen3-VL's `deepstack` blocks)
   projector       (x, v) -> x: the merger: a norm, merge x merge neighbouring patches
                   concatenated, two linears with a GELU between, written over the image tokens
+                  (Qwen3-VL with deepstack: -> (x, deepstack features), mtjax.models.qwen3_vl)
 
 Images are patches already (what the processor gives, mtjax.data.images.QwenVLImages):
 `ctx.images` [B, M, S, C * temporal_patch * patch^2], S = (image_size / patch)^2 patches of each
@@ -27,6 +32,8 @@ image's scores to each window instead). The same outputs, the order local to one
 
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -36,7 +43,7 @@ from mtjax import attention
 from mtjax.config import ModelConfig, VisionConfig
 from mtjax.models.layers import Ctx, RMSNorm, VisionKind, apply_rope
 
-TOWERS = ("qwen2_vl", "qwen2_5_vl")
+TOWERS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 MERGER_EPS = 1e-6  # the merger's norm (transformers fixes it)
 
 
@@ -49,9 +56,10 @@ def group_kinds(cfg: ModelConfig) -> list[tuple[str, VisionKind]]:
   """The tower's (group name, kind) in forward order."""
   v = cfg.vision
   windowed = lambda i: v.window is not None and i not in v.full_blocks
+  kind = lambda i: ("vision_window" if windowed(i) else "vision_deepstack" if i in v.deepstack
+                    else "vision")
   return ([("vision_embed", VisionKind("vision_embed"))]
-          + [(f"vision_block_{i}", VisionKind("vision_window" if windowed(i) else "vision"))
-             for i in range(v.layers)]
+          + [(f"vision_block_{i}", VisionKind(kind(i))) for i in range(v.layers)]
           + [("projector", VisionKind("projector"))])
 
 
@@ -129,13 +137,34 @@ class LayerNorm(nn.Module):
     return (normed * scale.reshape(shape) + bias.reshape(shape)).astype(x.dtype)
 
 
+def position_taps(v: VisionConfig) -> tuple[np.ndarray, np.ndarray]:
+  """Qwen3-VL's learned positions resized to the grid (bilinear, corners aligned, as
+  transformers' get_vision_interpolation_indices_and_weights): for each patch [S] in the
+  processor's order, 4 rows of the table and their weights, [S, 4] each."""
+  side, size = math.isqrt(v.positions), np.float32(v.patches_per_side)
+
+  def axis(index):
+    src = index.astype(np.float32) * np.float32(side - 1) / np.maximum(size - 1, np.float32(1))
+    floor = np.floor(src)
+    taps = np.clip(floor.astype(np.int64)[:, None] + np.arange(2), 0, side - 1)
+    weights = np.maximum(1 - np.abs(src[:, None] - floor[:, None] - np.arange(2)), 0)
+    return taps, weights.astype(np.float32)
+
+  rows, cols = patch_coords(v)
+  (ht, hw), (wt, ww) = axis(rows), axis(cols)
+  return ((ht[:, :, None] * side + wt[:, None, :]).reshape(-1, 4),
+          (hw[:, :, None] * ww[:, None, :]).reshape(-1, 4))
+
+
 def _norm(v: VisionConfig, name: str, eps: float):
-  """Qwen2.5-VL's RMSNorm, Qwen2-VL's LayerNorm (with a bias)."""
+  """Qwen2.5-VL's RMSNorm, Qwen2-VL's and Qwen3-VL's LayerNorm (with a bias)."""
   return RMSNorm(eps, name=name) if v.tower == "qwen2_5_vl" else LayerNorm(eps, name=name)
 
 
 class PatchEmbed(nn.Module):
-  """Each patch's pixels times the Conv3d kernel [Dv, C, frames, p, p], no bias."""
+  """Each patch's pixels times the Conv3d kernel [Dv, C, frames, p, p]; Qwen3-VL's adds the
+  conv's bias and the learned positions resized to the grid (`position_taps`), and starts its
+  deepstack features (zeros, [B, k, M x image_tokens, D]) beside x."""
   v: VisionConfig
   dtype: jnp.dtype = jnp.float32
 
@@ -145,15 +174,34 @@ class PatchEmbed(nn.Module):
     kernel = self.param("patch", nn.initializers.normal(0.02),
                         (v.hidden, v.channels, v.temporal_patch, v.patch, v.patch), jnp.float32)
     pix_BxMxSxP = ctx.images.astype(self.dtype)
-    return (x_BxTxD, pix_BxMxSxP @ kernel.reshape(v.hidden, -1).T.astype(self.dtype)), {}
+    h = pix_BxMxSxP @ kernel.reshape(v.hidden, -1).T.astype(self.dtype)
+    if v.tower != "qwen3_vl":
+      return (x_BxTxD, h), {}
+    bias = self.param("patch_bias", nn.initializers.zeros, (v.hidden,), jnp.float32)
+    h = h + bias.astype(h.dtype)[None, None, None]
+    table = self.param("position", nn.initializers.normal(0.02), (v.positions, v.hidden),
+                       jnp.float32)
+    taps, weights = position_taps(v)
+    pos_SxDv = (table[taps] * jnp.asarray(weights)[..., None]).sum(1)
+    h = h + pos_SxDv.astype(h.dtype)[None, None]
+    if v.deepstack:
+      B = x_BxTxD.shape[0]
+      d = jnp.zeros((B, len(v.deepstack), v.max_images * v.image_tokens, x_BxTxD.shape[-1]),
+                    x_BxTxD.dtype)
+      x_BxTxD = (x_BxTxD, d)
+    return (x_BxTxD, h), {}
 
 
 class Block(nn.Module):
   """A pre-norm block over each image's patches (within windows when `windowed`), the text
-  stream passed through."""
+  stream passed through. A Qwen3-VL deepstack block (`deepstack`: the model's config) merges its
+  output with a merger of its own into the features beside x: the oldest set shifted out of
+  the first place (a zero start), the new set in the last, so after the tower they are in
+  block order."""
   v: VisionConfig
   windowed: bool = False
   dtype: jnp.dtype = jnp.float32
+  deepstack: ModelConfig | None = None
 
   @nn.compact
   def __call__(self, carry, ctx: Ctx):
@@ -176,36 +224,57 @@ class Block(nn.Module):
       m = linear("down", Dv, dtype=self.dtype)(m)
     else:
       m = linear("fc2", Dv, dtype=self.dtype)(ACTIVATIONS[v.act](linear("fc1", v.ffn, dtype=self.dtype)(m)))
-    return (x_BxTxD, h + m), {}
+    h = h + m
+    if self.deepstack is not None:
+      x_BxTxD, d_BxKxFxD = x_BxTxD
+      f = Merger(self.deepstack, self.dtype, postshuffle=True, name="deepstack")(h, None)
+      d_BxKxFxD = jnp.concatenate([d_BxKxFxD[:, 1:], f[:, None].astype(d_BxKxFxD.dtype)], 1)
+      x_BxTxD = (x_BxTxD, d_BxKxFxD)
+    return (x_BxTxD, h), {}
 
 
 class Merger(nn.Module):
   """The patch merger: norm, merge x merge patches concatenated, fc1, GELU, fc2 to model.hidden,
-  written over the image tokens' embeddings (`ctx.image_slots`)."""
+  written over the image tokens' embeddings (`ctx.image_slots`); Qwen3-VL's deepstack features
+  beside x pass on to the decoder. `postshuffle`: the norm over the concatenated patches
+  (Qwen3-VL's deepstack mergers)."""
   cfg: ModelConfig
   dtype: jnp.dtype = jnp.float32
+  postshuffle: bool = False
 
   @nn.compact
-  def __call__(self, carry, ctx: Ctx):
-    x_BxTxD, h_BxMxSxDv = carry
+  def __call__(self, carry, ctx: Ctx | None):
+    """(x, features) -> x written; a bare features array [B, M, S, Dv] -> its merged features
+    [B, M x image_tokens, D] (a deepstack block's merger)."""
+    x_BxTxD, h_BxMxSxDv = carry if isinstance(carry, tuple) else (None, carry)
     v = self.cfg.vision
     B, M, S, Dv = h_BxMxSxDv.shape
     U = v.merge ** 2
-    g = _norm(v, "ln_q", MERGER_EPS)(h_BxMxSxDv).reshape(B, M, S // U, U * Dv)
+    if self.postshuffle:
+      g = _norm(v, "ln_q", MERGER_EPS)(h_BxMxSxDv.reshape(B, M, S // U, U * Dv))
+    else:
+      g = _norm(v, "ln_q", MERGER_EPS)(h_BxMxSxDv).reshape(B, M, S // U, U * Dv)
     g = jax.nn.gelu(linear("fc1", U * Dv, dtype=self.dtype)(g), approximate=False)
-    f = linear("fc2", self.cfg.hidden, dtype=self.dtype)(g)
-    feats_BxFxD = f.reshape(B, M * (S // U), -1).astype(x_BxTxD.dtype)
+    f = linear("fc2", self.cfg.hidden, dtype=self.dtype)(g).reshape(B, M * (S // U), -1)
+    if x_BxTxD is None:
+      return f
+    deepstack = None
+    if isinstance(x_BxTxD, tuple):
+      x_BxTxD, deepstack = x_BxTxD
+    feats_BxFxD = f.astype(x_BxTxD.dtype)
     slots_BxT = ctx.image_slots
     taken = jnp.take_along_axis(feats_BxFxD, jnp.maximum(slots_BxT, 0)[..., None], axis=1)
-    return jnp.where((slots_BxT >= 0)[..., None], taken, x_BxTxD), {}
+    x_BxTxD = jnp.where((slots_BxT >= 0)[..., None], taken, x_BxTxD)
+    return (x_BxTxD if deepstack is None else (x_BxTxD, deepstack)), {}
 
 
 def module(cfg: ModelConfig, kind: str, dtype=jnp.float32) -> nn.Module:
   """The flax module of a tower layer kind."""
   if kind == "vision_embed":
     return PatchEmbed(cfg.vision, dtype)
-  if kind in ("vision", "vision_window"):
-    return Block(cfg.vision, kind == "vision_window", dtype)
+  if kind in ("vision", "vision_window", "vision_deepstack"):
+    return Block(cfg.vision, kind == "vision_window", dtype,
+                 cfg if kind == "vision_deepstack" else None)
   return Merger(cfg, dtype)
 
 
@@ -216,14 +285,16 @@ def forward_flops(cfg: ModelConfig, kind: str, batch: int) -> float:
   images, S, Dv = batch * v.max_images, v.seq, v.hidden
   if kind == "vision_embed":
     return 2.0 * images * S * patch_width(v) * Dv
-  if kind in ("vision", "vision_window"):
+  U = v.merge ** 2
+  merger = 2.0 * images * (S // U) * (U * Dv * U * Dv + U * Dv * cfg.hidden)
+  if kind in ("vision", "vision_window", "vision_deepstack"):
     mlp = (3 if v.tower == "qwen2_5_vl" else 2) * Dv * v.ffn
     pairs = S * S
     if kind == "vision_window":
       pairs = int(np.sum(np.bincount(window_ids(v)) ** 2))
-    return images * (2.0 * S * (4 * Dv * Dv + mlp) + 4.0 * pairs * Dv)
-  U = v.merge ** 2
-  return 2.0 * images * (S // U) * (U * Dv * U * Dv + U * Dv * cfg.hidden)
+    block = images * (2.0 * S * (4 * Dv * Dv + mlp) + 4.0 * pairs * Dv)
+    return block + (merger if kind == "vision_deepstack" else 0.0)
+  return merger
 
 
 def params(cfg: ModelConfig) -> int:
@@ -234,8 +305,13 @@ def params(cfg: ModelConfig) -> int:
   norm = Dv * (1 if v.tower == "qwen2_5_vl" else 2)
   mlp = 3 * Dv * F + 2 * F + Dv if v.tower == "qwen2_5_vl" else 2 * Dv * F + F + Dv
   block = 2 * norm + 3 * Dv * Dv + 3 * Dv + Dv * Dv + Dv + mlp
-  merger = norm + (U * Dv) ** 2 + U * Dv + U * Dv * cfg.hidden + cfg.hidden
-  return patch_width(v) * Dv + v.layers * block + merger
+  linears = (U * Dv) ** 2 + U * Dv + U * Dv * cfg.hidden + cfg.hidden
+  merger = norm + linears
+  embed = patch_width(v) * Dv
+  if v.tower == "qwen3_vl":  # the conv's bias, learned positions; deepstack mergers (norms of U Dv)
+    embed += Dv + v.positions * Dv
+    merger += len(v.deepstack) * (2 * U * Dv + linears)
+  return embed + v.layers * block + merger
 
 
 def check_grids(v: VisionConfig, image_grid_thw) -> None:

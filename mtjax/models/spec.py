@@ -180,6 +180,9 @@ def _layouts(cfg: ModelConfig, kinds: dict) -> dict[str, Layout]:
     if name in vision.KINDS:
       out[name] = jax.eval_shape(lambda k=name: vision.module(cfg, k).init(
           jax.random.key(0), *vision.sample_carry(cfg, k)))["params"]
+    elif kind.deepstack:
+      out[name] = jax.eval_shape(lambda k=kind: Block(cfg, k).init(
+          jax.random.key(0), *vision.sample_carry(cfg, k.name, deepstack=k.deepstack)))["params"]
     else:
       out[name] = shapes(Block(cfg, kind), x)
   return {k: Layout.from_shapes(v) for k, v in out.items()}

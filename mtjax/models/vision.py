@@ -13,7 +13,9 @@ A model with `model.vision` runs, after the token embedding,
 
 then the decoder blocks and the head. The carry is a pair while the tower runs, so the engine's
 forward, saved inputs and per-layer vjp treat it as they treat `x`; the pass-through's cotangent
-flows back to the embedding unchanged.
+flows back to the embedding unchanged. (Qwen3-VL's deepstack features ride in the text stream's
+place as (x, features) from the tower's embedding to the decoder layers that add them:
+`carry`.)
 
 Images are `ctx.images` [B, M, C, H, W] (M = model.vision.max_images slots a row; unused slots
 are zeros and their features are never read); `ctx.image_slots` [B, T] gives each position the
@@ -34,8 +36,9 @@ from mtjax.config import ModelConfig, VisionConfig
 from mtjax.models import qwen_vision
 from mtjax.models.layers import Ctx, RMSNorm, VisionKind
 
-# the towers' layer kinds, in forward order (vision_window: mtjax.models.qwen_vision's)
-KINDS = ("vision_embed", "vision", "vision_window", "projector")
+# the towers' layer kinds, in forward order (vision_window, vision_deepstack:
+# mtjax.models.qwen_vision's)
+KINDS = ("vision_embed", "vision", "vision_window", "vision_deepstack", "projector")
 
 
 def group_kinds(cfg: ModelConfig) -> list[tuple[str, VisionKind]]:
@@ -179,17 +182,28 @@ def module(cfg: ModelConfig, kind: str, dtype=jnp.float32) -> nn.Module:
   return Projector(cfg, dtype)
 
 
-def sample_carry(cfg: ModelConfig, kind: str, batch: int = 1, seq: int = 2):
-  """Zeros of a kind's input (x, or the (x, features) pair) and a Ctx with images: shapes only,
-  for layouts and memory probes."""
+def carry(cfg: ModelConfig, kind: str, deepstack: int, make, rows: int, seq: int, dtype):
+  """A layer kind's input built by `make(shape, dtype)`: x [B, T, D]; in the tower (after its
+  embedding) the pair (x, features [B, M, S, Dv]), x with Qwen3-VL's deepstack features beside
+  it, (x, [B, k, M x image_tokens, D]); a decoder layer that adds `deepstack` of them, (x, those)."""
+  x = make((rows, seq, cfg.hidden), dtype)
   v = cfg.vision
-  x = jnp.zeros((batch, seq, cfg.hidden), jnp.float32)
+  if v is None or kind == "vision_embed":
+    return x
+  stack = lambda k: (x, make((rows, k, v.max_images * v.image_tokens, cfg.hidden), dtype))
+  if kind in KINDS:
+    return stack(len(v.deepstack)) if v.deepstack else x, make((rows, v.max_images, v.seq, v.hidden), dtype)
+  return stack(deepstack) if deepstack else x
+
+
+def sample_carry(cfg: ModelConfig, kind: str, batch: int = 1, seq: int = 2, deepstack: int = 0):
+  """Zeros of a kind's input (`carry`) and a Ctx with images: shapes only, for layouts and
+  memory probes."""
+  v = cfg.vision
   ctx = Ctx(jnp.zeros((batch, seq), jnp.int32), None,
             jnp.zeros((batch, v.max_images, *image_shape(v)), jnp.float32),
             jnp.full((batch, seq), -1, jnp.int32))
-  if kind == "vision_embed":
-    return x, ctx
-  return (x, jnp.zeros((batch, v.max_images, v.seq, v.hidden), jnp.float32)), ctx
+  return carry(cfg, kind, deepstack, jnp.zeros, batch, seq, jnp.float32), ctx
 
 
 def forward_flops(cfg: ModelConfig, kind: str, batch: int) -> float:
@@ -279,4 +293,4 @@ def image_inputs(cfg: ModelConfig, input_ids_BxT, images=None, image_grid_thw=No
 
 
 def _qwen(v: VisionConfig) -> bool:
-  return v.tower in ("qwen2_vl", "qwen2_5_vl")
+  return v.tower in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
