@@ -184,6 +184,14 @@ class VisionConfig:
     return self.image_size // self.patch
 
   @property
+  def image_shape(self) -> tuple[int, ...]:
+    """One image slot's shape in a batch: pixels [C, H, W], or a qwen tower's patches [S, C x
+    frames x patch^2] (mtjax.models.qwen_vision)."""
+    if self.tower in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+      return (self.seq, self.channels * self.temporal_patch * self.patch ** 2)
+    return (self.channels, self.image_size, self.image_size)
+
+  @property
   def seq(self) -> int:
     """Tokens the tower attends over per image: its patches, and CLIP's class token."""
     return self.patches_per_side ** 2 + (self.tower == "clip")

@@ -329,7 +329,7 @@ def shaped_calls(programs: Programs, rows: int, seq: int, device: jax.Device,
   ctx = Ctx(pos, tok if documents else None)
   if cfg.vision is not None:  # the tower's layers carry (x, features) and read the images
     v = cfg.vision
-    ctx = Ctx(pos, ctx.segments, S((rows, v.max_images, *vision.image_shape(v)), jnp.float32),
+    ctx = Ctx(pos, ctx.segments, S((rows, v.max_images, *v.image_shape), jnp.float32),
               tok)
   w = {k: S((lay.size,), jnp.float32) for k, lay in spec.layouts.items()}
   table = w["embed"] if cfg.tie_embeddings else None

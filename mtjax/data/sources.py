@@ -254,11 +254,10 @@ class Prepared:
                        f"{vision.merge}, {vision.temporal_patch} (model.vision.patch, merge, "
                        "temporal_patch); prepare it again with the model's processor")
     from mtjax.data.images import pixel_shape
-    from mtjax.models.vision import image_shape
-    if pixel_shape(info) != image_shape(vision):
+    if pixel_shape(info) != vision.image_shape:
       raise ValueError(f"data.path: {made} ({info.get('family')}) as images of shape "
                        f"{list(pixel_shape(info))}, the model's {vision.tower} tower takes "
-                       f"{list(image_shape(vision))}; prepare it again with the model's processor")
+                       f"{list(vision.image_shape)}; prepare it again with the model's processor")
     if (int(info["image_token_id"]), int(info["tokens_per_image"])) != (
         vision.image_token_id, vision.image_tokens):
       raise ValueError(f"data.path: {made}: {info['tokens_per_image']} tokens of id "

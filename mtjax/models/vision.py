@@ -201,7 +201,7 @@ def sample_carry(cfg: ModelConfig, kind: str, batch: int = 1, seq: int = 2, deep
   memory probes."""
   v = cfg.vision
   ctx = Ctx(jnp.zeros((batch, seq), jnp.int32), None,
-            jnp.zeros((batch, v.max_images, *image_shape(v)), jnp.float32),
+            jnp.zeros((batch, v.max_images, *v.image_shape), jnp.float32),
             jnp.full((batch, seq), -1, jnp.int32))
   return carry(cfg, kind, deepstack, jnp.zeros, batch, seq, jnp.float32), ctx
 
@@ -220,14 +220,6 @@ def forward_flops(cfg: ModelConfig, kind: str, batch: int) -> float:
   P = v.image_tokens
   first = Dv * cfg.hidden + (cfg.hidden * cfg.hidden if v.projector == "mlp" else 0)
   return 2.0 * images * P * first
-
-
-def image_shape(v: VisionConfig) -> tuple[int, ...]:
-  """One image slot's shape in `ctx.images`: pixels [C, H, W], or a qwen tower's patches [S, C x
-  frames x patch^2] (mtjax.models.qwen_vision)."""
-  if _qwen(v):
-    return (v.seq, qwen_vision.patch_width(v))
-  return (v.channels, v.image_size, v.image_size)
 
 
 def rope_positions(cfg: ModelConfig, input_ids_BxT) -> np.ndarray | None:
@@ -250,7 +242,7 @@ def image_inputs(cfg: ModelConfig, input_ids_BxT, images=None, image_grid_thw=No
   ids = np.asarray(input_ids_BxT)
   B, T = ids.shape
   P, M = v.image_tokens, v.max_images
-  shape = (B, M, *image_shape(v))
+  shape = (B, M, *v.image_shape)
   if image_grid_thw is not None:
     if not _qwen(v):
       raise ValueError(f"image_grid_thw: a {v.tower} tower takes images of one fixed size")
@@ -259,7 +251,7 @@ def image_inputs(cfg: ModelConfig, input_ids_BxT, images=None, image_grid_thw=No
     if np.shape(images)[0] % v.seq:
       raise ValueError(f"pixel_values: {np.shape(images)[0]} patches, not whole images of "
                        f"{v.seq} (model.vision.image_size {v.image_size})")
-    images = np.asarray(images).reshape(-1, *image_shape(v))
+    images = np.asarray(images).reshape(-1, *v.image_shape)
   is_image = ids == v.image_token_id
   counts = is_image.sum(1)
   room = M * P
