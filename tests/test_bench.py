@@ -50,6 +50,7 @@ def test_every_benchmark_script_has_a_smoke_test():
       assert "--smoke" in (BENCH / name).read_text(), name
 
 
+@pytest.mark.soak  # long; the README run's time budget (the soak runs it)
 def test_bench_smoke_runs_every_system_and_records_the_fields(tmp_path, capsys):
   out = tmp_path / "records.json"
   assert bench.main(["--smoke", "--out", str(out)]) == 0
@@ -107,6 +108,7 @@ def test_tracer_survives_an_array_donated_before_it_is_watched():
   assert [e[1] for e in tracer.events] == [0, 1]
 
 
+@pytest.mark.soak  # long; the README run's time budget (the soak runs it)
 def test_long_context_smoke_extrapolates_a_slice(tmp_path, capsys):
   """The smoke's slice row: the training run, the whole model's plan beside it, the
   extrapolation and the table."""
@@ -164,6 +166,7 @@ def test_moe_kernels_smoke_checks_each_implementation_against_float32(tmp_path):
     assert max(r["ragged error"].values()) < 1e-2, r  # bf16 operands against float32
 
 
+@pytest.mark.soak  # long; the README run's time budget (the soak runs it)
 def test_attention_kernels_smoke_checks_each_kernel_against_float32(tmp_path):
   """Every (variant, candidate) gets a row; the measured ones (sinks through the Triton kernel's
   lse, in Pallas's interpreter, and v padded for the latent widths included) match float32."""

@@ -27,6 +27,7 @@ def test_data_parallel_cases_on_four_simulated_devices():
   assert re.search(r"\b6 passed\b", summary) and "skipped" not in summary, summary
 
 
+@pytest.mark.soak  # long; the README run's time budget (the soak runs it)
 def test_two_hosts_split_the_state_and_match_the_reference():
   with socket.socket() as sock:  # a free port for the coordinator
     sock.bind(("localhost", 0))

@@ -57,6 +57,7 @@ def test_pretrain_text(tmp_path):
   assert_hf_directory(Path(s["export_dir"]), s["vocab_size"])
 
 
+@pytest.mark.soak  # long; the README run's time budget (the soak runs it)
 def test_finetune_chat(tmp_path):
   s, work = run_example("finetune_chat.py", tmp_path)
   assert {p.name for p in (work / "runs").iterdir()} == {"base", "finetune"}

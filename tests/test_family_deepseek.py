@@ -147,6 +147,7 @@ def chosen_experts(cfg, params, ids):
   return out
 
 
+@pytest.mark.soak  # long; the README run's time budget (the soak runs it)
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_chosen_experts_and_features(saved, monkeypatch, family):
   cfg, params = mtjax.load_hf(saved[family])

@@ -106,6 +106,7 @@ def test_parity_routing_features_and_export(saved, tmp_path):
   parity.check_export(cfg, params, tmp_path / "out")  # with the family's config.json
 
 
+@pytest.mark.soak  # long; the README run's time budget (the soak runs it)
 def test_adamw_step_equals_torch(saved):
   # Adam's first step is lr * g / (|g| + eps): with eps 1e-8 a coordinate whose gradient is 1e-7 of
   # the tensor's (the clamp and the routing leave some) turns its fp32 rounding into 1e-2 of lr.

@@ -101,6 +101,7 @@ def test_qwen3_next_equals_transformers(saved, tmp_path):
   parity.check_export(cfg, params, tmp_path / "out")
 
 
+@pytest.mark.soak  # long; the README run's time budget (the soak runs it)
 def test_qwen3_next_adamw_step_equals_torch(saved):
   stats = parity.check_adamw_step(saved, aux_coef=COEF)
   assert {"aux_loss", "expert_tokens_min", "expert_tokens_max"} <= stats.aux.keys()
@@ -145,6 +146,7 @@ def test_chunked_scan_equals_the_token_by_token_recurrence(chunk, packed):
   assert_close(np.asarray(got), want, name=f"chunk {chunk}")
 
 
+@pytest.mark.soak  # long; the README run's time budget (the soak runs it)
 def test_chunks_seq_tiles_and_packed_documents_change_nothing(saved):
   """A DeltaNet block's output and every gradient are the same for another chunk (several chunks
   against the parity tests' one: the scan's gradient across chunks) and sequence tiles (the

@@ -73,6 +73,7 @@ def test_qwen_moe_equals_transformers(saved, tmp_path):
   parity.check_export(cfg, params, tmp_path / "out")
 
 
+@pytest.mark.soak  # long; the README run's time budget (the soak runs it)
 def test_qwen_moe_adamw_step_equals_torch(saved):
   stats = parity.check_adamw_step(saved[1], aux_coef=COEF)
   assert {"aux_loss", "expert_tokens_min", "expert_tokens_max"} <= stats.aux.keys()

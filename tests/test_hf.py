@@ -467,6 +467,7 @@ def test_fine_tune_from_hf_exports_a_model_transformers_loads(tmp_path):
   assert r.returncode == 2 and r.stderr.startswith("error:") and r.stderr.count("\n") == 1
 
 
+@pytest.mark.soak  # long; the README run's time budget (the soak runs it)
 def test_export_keeps_the_source_identity_from_any_directory(tmp_path, monkeypatch):
   """A relative model.from_hf is resolved when the config loads; each checkpoint keeps a copy of
   the source's config.json and tokenizer files, so an export run from another directory, or after

@@ -95,7 +95,8 @@ def test_a_second_signal_abandons_the_step_without_a_traceback(tmp_path):
   assert len(ends) == 1, err  # one line says how it ended (the 2nd signal may land after the save)
 
 
-@pytest.mark.parametrize("n_kills", [3, pytest.param(50, marks=pytest.mark.soak)])
+@pytest.mark.soak  # a fault-injection loop (other signal tests run in the README run)
+@pytest.mark.parametrize("n_kills", [6, 50])
 def test_sigkill_at_random_moments_then_resume_equals_uninterrupted(tmp_path, n_kills):
   # Kills land anywhere: during start-up, a step, a checkpoint's save (one group at a time, then
   # the rename) or the pruning of old ones. Every restart resumes from what is on disk.

@@ -97,6 +97,7 @@ def test_log_every_and_no_progress_give_plain_lines_every_n_steps_and_the_last()
   assert code == 0 and not [l for l in out.splitlines() if l.startswith("step ")]
 
 
+@pytest.mark.soak  # long; the README run's time budget (the soak runs it)
 def test_a_new_epoch_is_reported(tmp_path):
   """A token file of 4 rows' worth: with batch 2 the data starts a new pass every 2 steps."""
   import numpy as np
